@@ -1,0 +1,44 @@
+// Static scales: from recorded amax to scales, and the versioned JSON scales file.
+#pragma once
+
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "mjolnir/cache.h"
+
+namespace mjolnir {
+
+// Scales of every layer of a model, for one KV format and granularity.
+struct ScalesFile {
+  static constexpr int kVersion = 1;
+  Format format = Format::fp8_e4m3;
+  ScaleGranularity granularity = ScaleGranularity::channel;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  double headroom = 1.0;
+  struct Layer {
+    std::vector<float> k_scale;  // scale_count(granularity, Hk, D) values
+    std::vector<float> v_scale;
+  };
+  std::vector<Layer> layers;
+};
+
+// scale = amax / format_max(format) * headroom, reduced from per-(head, channel) amax [Hk * D]
+// to the granularity by taking the max. Zero amax gives the scale of the smallest normal input
+// (so an all-zero channel stays representable instead of dividing by zero).
+std::vector<float> scales_from_amax(std::span<const float> amax, Format format,
+                                    ScaleGranularity granularity, int num_kv_heads, int head_dim,
+                                    double headroom = 1.0);
+
+// JSON: {"mjolnir_scales_version": 1, "format": "fp8_e4m3", "granularity": "channel",
+//        "num_kv_heads": 8, "head_dim": 128, "headroom": 1.0,
+//        "layers": [{"k_scale": [...], "v_scale": [...]}, ...]}
+void write_scales_file(const ScalesFile& scales, const std::filesystem::path& path);
+// Throws Error naming the file and the field for unreadable, malformed, truncated, wrong-version
+// or inconsistent files (counts that do not match the granularity, non-positive scales).
+ScalesFile read_scales_file(const std::filesystem::path& path);
+// Same, from a string (the file's contents); `source` names it in errors.
+ScalesFile parse_scales_json(const std::string& text, const std::string& source = "scales");
+
+}  // namespace mjolnir

@@ -1,0 +1,102 @@
+// Decode attention: the numerics modes, the arguments of one step, and the backend interface.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "mjolnir/cache.h"
+#include "mjolnir/plan.h"
+
+namespace mjolnir {
+
+// How Q enters the QK product (DESIGN.md section 4, step 1). fp8 quantizes dynamically per
+// (sequence, KV head): sq = amax / 448 over the group's g * q_len rows.
+enum class QMode : std::uint8_t { fp32, bf16, fp8 };
+// How P enters the PV product (step 4). fp8 is e4m3(p * 256), the 256 folded into 1 / l.
+enum class PMode : std::uint8_t { fp32, bf16, fp8 };
+std::string_view to_string(QMode mode);
+std::string_view to_string(PMode mode);
+QMode parse_q_mode(std::string_view name);
+PMode parse_p_mode(std::string_view name);
+
+struct DecodeParams {
+  int q_len = 1;            // query tokens per sequence, 1..8 (1 + speculative tokens)
+  int num_q_heads = 0;      // Hq, a multiple of the cache's Hk
+  bool causal = true;       // token t sees KV [0, seq_len - q_len + t]; false: [0, seq_len)
+  float softmax_scale = 0;  // 0: 1 / sqrt(D)
+  QMode q_mode = QMode::fp32;
+  PMode p_mode = PMode::fp32;
+
+  float effective_softmax_scale(int head_dim) const;
+};
+
+inline constexpr int kMaxQLen = 8;
+
+// Query rows [num_seqs * q_len, Hq, D] in float32 (token row b * q_len + t), D contiguous.
+struct QueryTensor {
+  const float* data = nullptr;
+  std::int64_t token_stride = 0;  // elements
+  std::int64_t head_stride = 0;   // elements
+};
+// Output rows, same shape and convention as QueryTensor.
+struct OutputTensor {
+  float* data = nullptr;
+  std::int64_t token_stride = 0;
+  std::int64_t head_stride = 0;
+};
+
+// Everything one decode step reads and writes.
+struct DecodeArgs {
+  KvCacheView cache;
+  PagedBatch batch;
+  DecodeParams params;
+  QueryTensor q;
+  OutputTensor o;
+  // Optional [num_seqs * q_len, Hq] natural-log LSE of the scaled scores (-inf for empty rows).
+  std::span<float> lse;
+};
+
+// Checks every argument (cache, batch, q_len, heads, tensors) and throws Error naming the first
+// bad one. Backends call it; it is public so callers can validate once up front.
+void validate(const DecodeArgs& args);
+
+// One implementation of the numerics contract. Backends are stateless between calls except for
+// their own resources (threads, streams), so one backend serves concurrent calls on distinct
+// workspaces.
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual std::string_view name() const = 0;
+  // Empty when the backend can run on this machine; otherwise why not ("no CUDA device").
+  virtual std::string unavailable_reason() const { return {}; }
+  // Empty when the backend runs this configuration; otherwise what it does not support.
+  virtual std::string unsupported_reason(const CacheGeometry& geometry,
+                                         const DecodeParams& params) const = 0;
+  // Capacity to plan for (PlanOptions::workers).
+  virtual int workers() const = 0;
+  // Workspace run() needs for a plan of this capacity (split partials and scratch).
+  virtual std::size_t workspace_bytes(const Plan& plan, const CacheGeometry& geometry,
+                                      const DecodeParams& params) const;
+  // Runs a validated step with a plan made for it. Writes o (and lse) for every row.
+  virtual void run(const DecodeArgs& args, const Plan& plan, std::span<std::byte> workspace) const = 0;
+};
+
+struct BackendOptions {
+  int threads = 0;  // CPU: worker threads, 0 = all cores
+};
+
+// "reference" (the emulator), "cpu", "cuda" (when compiled). Throws Error for unknown names.
+std::unique_ptr<Backend> make_backend(std::string_view name, const BackendOptions& options = {});
+// Names of the backends compiled into this build, in preference order.
+std::vector<std::string> compiled_backends();
+
+// Convenience for one-off calls: validates, plans with the backend's capacity, allocates the
+// workspace and runs. Serving loops keep a Plan and workspace and call run() themselves.
+void decode(const Backend& backend, const DecodeArgs& args, PlanOptions options = {});
+
+}  // namespace mjolnir

@@ -1,0 +1,32 @@
+// Cache writes: quantize new K/V tokens into their slots (DESIGN.md section 3, "Cache write").
+#pragma once
+
+#include <cstdint>
+#include <span>
+
+#include "mjolnir/cache.h"
+
+namespace mjolnir {
+
+// New tokens' K or V in float32: [num_tokens, Hk, D], channels contiguous, element strides.
+struct TokenRows {
+  const float* data = nullptr;
+  std::int64_t token_stride = 0;  // elements between tokens
+  std::int64_t head_stride = 0;   // elements between heads
+};
+
+// Per-(KV head, channel) running max of |x| (before scaling), for calibration. Each span holds
+// Hk * D floats; write_kv only raises entries.
+struct AmaxRecorder {
+  std::span<float> k_amax;
+  std::span<float> v_amax;
+};
+
+// Quantizes token i of k and v into slot slot_mapping[i] = page * page_size + offset of `cache`
+// (negative slots are skipped, as vLLM's reshape_and_cache_flash does). Everything is checked
+// before any byte is written: slots inside the pool, the strides, and that every K/V value to be
+// stored is finite ("k[5][2][17] is NaN"). With `amax`, records |x| maxima of the written tokens.
+void write_kv(const KvCacheView& cache, const TokenRows& k, const TokenRows& v,
+              std::span<const std::int64_t> slot_mapping, AmaxRecorder* amax = nullptr);
+
+}  // namespace mjolnir

@@ -1,0 +1,179 @@
+// The numerics contract, step by step, in scalar fp32 (see emulator.h).
+#include "reference/emulator.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numbers>
+
+#include "mjolnir/error.h"
+#include "mjolnir/format.h"
+
+namespace mjolnir::reference {
+
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr float kFp8Max = 448.0f;      // e4m3 largest finite value: Q codes use the full range
+constexpr float kFp8PScale = 256.0f;   // fp8 P = e4m3(p * 256): p in (0, 1] lands in [.., 256]
+
+float round_to(Format format, float x) {
+  return decode_element(format, encode_element(format, x));
+}
+
+// Decodes the K or V row of `position` of sequence `seq` (codes times nvfp4 block scales; the
+// outer scale is applied by the caller where the contract says).
+void decode_kv_row(const DecodeArgs& args, int seq, int kv_head, int position, int kv,
+                   std::span<float> out) {
+  const KvCacheView& cache = args.cache;
+  const int page_size = cache.geometry.page_size;
+  const int page = args.batch.page(seq, position / page_size);
+  const std::byte* row = cache.row(page, kv_head, position % page_size, kv);
+  decode_row(cache.geometry.format, {row, cache.geometry.row_bytes()}, out);
+}
+
+}  // namespace
+
+PreparedQuery prepare_query(const DecodeArgs& args, int seq, int kv_head) {
+  const KvCacheView& cache = args.cache;
+  const DecodeParams& p = args.params;
+  const int d = cache.geometry.head_dim;
+  const int g = p.num_q_heads / cache.geometry.num_kv_heads;
+  const int rows = p.q_len * g;
+  const bool channel_scales = cache.granularity == ScaleGranularity::channel;
+
+  PreparedQuery prepared;
+  prepared.values.resize(std::size_t(rows) * d);
+  for (int t = 0; t < p.q_len; ++t) {
+    for (int j = 0; j < g; ++j) {
+      const float* q = args.q.data + (std::int64_t(seq) * p.q_len + t) * args.q.token_stride +
+                       std::int64_t(kv_head * g + j) * args.q.head_stride;
+      float* out = &prepared.values[std::size_t(t * g + j) * d];
+      for (int c = 0; c < d; ++c) {
+        out[c] = channel_scales ? q[c] * cache.k_scale_at(kv_head, c) : q[c];
+      }
+    }
+  }
+
+  float sq = 1.0f;
+  switch (p.q_mode) {
+    case QMode::fp32: break;
+    case QMode::bf16:
+      for (float& x : prepared.values) x = round_to(Format::bf16, x);
+      break;
+    case QMode::fp8: {
+      float amax = 0.0f;
+      for (float x : prepared.values) amax = std::max(amax, std::abs(x));
+      if (amax > 0.0f) sq = amax / kFp8Max;
+      for (float& x : prepared.values) x = round_to(Format::fp8_e4m3, x / sq);
+      break;
+    }
+  }
+  const float k_outer = channel_scales ? 1.0f : cache.k_scale_at(kv_head, 0);
+  prepared.score_scale = sq * k_outer * p.effective_softmax_scale(d) * std::numbers::log2e_v<float>;
+  return prepared;
+}
+
+float round_probability(float p, PMode mode) {
+  switch (mode) {
+    case PMode::fp32: return p;
+    case PMode::bf16: return round_to(Format::bf16, p);
+    case PMode::fp8: return round_to(Format::fp8_e4m3, p * kFp8PScale);
+  }
+  return p;
+}
+
+float probability_scale(PMode mode) { return mode == PMode::fp8 ? kFp8PScale : 1.0f; }
+
+void run_item(const DecodeArgs& args, const Plan& plan, const WorkItem& item,
+              const PreparedQuery& query, std::span<float> o, std::span<float> lse) {
+  const KvCacheView& cache = args.cache;
+  const DecodeParams& p = args.params;
+  const int d = cache.geometry.head_dim;
+  const int g = p.num_q_heads / cache.geometry.num_kv_heads;
+  const int rows = p.q_len * g;
+  const int seq_len = args.batch.seq_lens[item.seq];
+  const int tile = plan.tile_tokens;
+
+  // Running state per row: max m (log2 units), sum l of fp32 p, accumulator acc [D].
+  std::vector<float> m(rows, kNegInf), l(rows, 0.0f), acc(std::size_t(rows) * d, 0.0f);
+  std::vector<float> k_tile(std::size_t(tile) * d), v_tile(std::size_t(tile) * d);
+  std::vector<float> s(tile);
+
+  for (int tile_begin = item.kv_begin; tile_begin < item.kv_end; tile_begin += tile) {
+    const int n = std::min(tile, item.kv_end - tile_begin);
+    for (int i = 0; i < n; ++i) {
+      decode_kv_row(args, item.seq, item.kv_head, tile_begin + i, 0, {&k_tile[i * d], size_t(d)});
+      decode_kv_row(args, item.seq, item.kv_head, tile_begin + i, 1, {&v_tile[i * d], size_t(d)});
+    }
+    for (int r = 0; r < rows; ++r) {
+      const int t = r / g;
+      // Last KV position this query token may see.
+      const int last = p.causal ? seq_len - p.q_len + t : seq_len - 1;
+      const float* q = &query.values[std::size_t(r) * d];
+      float tile_max = kNegInf;
+      for (int i = 0; i < n; ++i) {
+        if (tile_begin + i > last) {
+          s[i] = kNegInf;
+          continue;
+        }
+        float dot = 0.0f;
+        for (int c = 0; c < d; ++c) dot += q[c] * k_tile[i * d + c];
+        s[i] = dot * query.score_scale;
+        tile_max = std::max(tile_max, s[i]);
+      }
+      if (tile_max == kNegInf) continue;  // every token of the tile is masked for this row
+      const float m_new = std::max(m[r], tile_max);
+      const float alpha = std::exp2(m[r] - m_new);  // exp2(-inf) = 0 on the first tile
+      float* a = &acc[std::size_t(r) * d];
+      float tile_sum = 0.0f;
+      for (int c = 0; c < d; ++c) a[c] *= alpha;
+      for (int i = 0; i < n; ++i) {
+        if (s[i] == kNegInf) continue;
+        const float prob = std::exp2(s[i] - m_new);
+        tile_sum += prob;
+        const float p_used = round_probability(prob, p.p_mode);
+        for (int c = 0; c < d; ++c) a[c] += p_used * v_tile[i * d + c];
+      }
+      l[r] = l[r] * alpha + tile_sum;
+      m[r] = m_new;
+    }
+  }
+
+  const bool channel_scales = cache.granularity == ScaleGranularity::channel;
+  for (int r = 0; r < rows; ++r) {
+    float* out = &o[std::size_t(r) * d];
+    if (l[r] == 0.0f) {  // no visible token: the empty row of the contract
+      std::fill(out, out + d, 0.0f);
+      lse[r] = kNegInf;
+      continue;
+    }
+    const float inv_l = 1.0f / (l[r] * probability_scale(p.p_mode));
+    for (int c = 0; c < d; ++c) {
+      const float v_scale = cache.v_scale_at(item.kv_head, channel_scales ? c : 0);
+      out[c] = acc[std::size_t(r) * d + c] * v_scale * inv_l;
+    }
+    lse[r] = (m[r] + std::log2(l[r])) * std::numbers::ln2_v<float>;
+  }
+}
+
+void merge_chunks(std::span<const float> partial_o, std::span<const float> partial_lse,
+                  int head_dim, std::span<float> o, float* lse) {
+  float max_lse = kNegInf;
+  for (float x : partial_lse) max_lse = std::max(max_lse, x);
+  if (max_lse == kNegInf) {
+    std::fill(o.begin(), o.end(), 0.0f);
+    if (lse) *lse = kNegInf;
+    return;
+  }
+  float weight_sum = 0.0f;
+  for (float x : partial_lse) weight_sum += std::exp(x - max_lse);
+  std::fill(o.begin(), o.end(), 0.0f);
+  for (std::size_t i = 0; i < partial_lse.size(); ++i) {
+    const float w = std::exp(partial_lse[i] - max_lse) / weight_sum;
+    for (int c = 0; c < head_dim; ++c) o[c] += w * partial_o[i * head_dim + c];
+  }
+  if (lse) *lse = max_lse + std::log(weight_sum);
+}
+
+}  // namespace mjolnir::reference

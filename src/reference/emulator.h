@@ -1,0 +1,41 @@
+// The emulator: the numerics contract (DESIGN.md section 4) in plain scalar code, following the
+// same plan a kernel ran, so every rounding step (Q codes, P codes) is reproduced exactly and
+// only the order of fp32 accumulation may differ from a backend. It is the oracle backends are
+// tested against; it is written for clarity, not speed.
+#pragma once
+
+#include <span>
+#include <vector>
+
+#include "mjolnir/decode.h"
+
+namespace mjolnir::reference {
+
+// Q of one (sequence, KV head) as the QK product consumes it.
+struct PreparedQuery {
+  std::vector<float> values;  // [rows = q_len * g, D]: fp32, bf16-rounded or e4m3-decoded codes
+  float score_scale = 0;      // multiplies q . decode(k): sq * k_scale * softmax_scale * log2(e)
+};
+
+// Step 1 and the scale of step 2: per-channel K scales folded into Q, then Q rounded per mode
+// (fp8: sq = amax / 448 over all rows of the group, codes e4m3(q / sq)).
+PreparedQuery prepare_query(const DecodeArgs& args, int seq, int kv_head);
+
+// P as PV consumes it: fp32, bf16(p) or e4m3(p * 256) decoded.
+float round_probability(float p, PMode mode);
+// The factor folded into 1 / l for the P mode (256 for fp8, else 1).
+float probability_scale(PMode mode);
+
+// Steps 2-5 for one work item: online softmax over tiles of plan.tile_tokens starting at
+// item.kv_begin. Writes normalized O (times V scales) and the natural-log LSE of every query
+// row of the item to `o` [rows, D] and `lse` [rows]; rows that see no token get O = 0,
+// LSE = -inf.
+void run_item(const DecodeArgs& args, const Plan& plan, const WorkItem& item,
+              const PreparedQuery& query, std::span<float> o, std::span<float> lse);
+
+// Step 6: L = log(sum exp(lse_i)), O = sum exp(lse_i - L) * O_i over the chunks; all-empty
+// gives O = 0, L = -inf. `partial_o` [chunks][D], `partial_lse` [chunks].
+void merge_chunks(std::span<const float> partial_o, std::span<const float> partial_lse,
+                  int head_dim, std::span<float> o, float* lse);
+
+}  // namespace mjolnir::reference

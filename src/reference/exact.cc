@@ -1,0 +1,77 @@
+// fp64 attention over given K/V rows (see exact.h).
+#include "reference/exact.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+namespace mjolnir::reference {
+
+KvRowSource kv_rows_from_cache(const KvCacheView& cache, const PagedBatch& batch) {
+  return [cache, batch](int seq, int kv_head, int position, int kv, std::span<double> out) {
+    const CacheGeometry& geo = cache.geometry;
+    const int page = batch.page(seq, position / geo.page_size);
+    std::vector<float> decoded(geo.head_dim);
+    decode_row(geo.format, {cache.row(page, kv_head, position % geo.page_size, kv), geo.row_bytes()},
+               decoded);
+    for (int c = 0; c < geo.head_dim; ++c) {
+      const double scale = kv == 0 ? cache.k_scale_at(kv_head, c) : cache.v_scale_at(kv_head, c);
+      out[c] = double(decoded[c]) * scale;
+    }
+  };
+}
+
+ExactResult exact_attention(const DecodeArgs& args, const KvRowSource& kv_rows) {
+  const int d = args.cache.geometry.head_dim;
+  const int hk = args.cache.geometry.num_kv_heads;
+  const int hq = args.params.num_q_heads;
+  const int g = hq / hk;
+  const int q_len = args.params.q_len;
+  const int num_seqs = args.batch.num_seqs();
+  const double softmax_scale = args.params.effective_softmax_scale(d);
+
+  ExactResult result;
+  result.o.assign(std::size_t(num_seqs) * q_len * hq * d, 0.0);
+  result.lse.assign(std::size_t(num_seqs) * q_len * hq, -std::numeric_limits<double>::infinity());
+
+  std::vector<double> k, v, s;
+  for (int b = 0; b < num_seqs; ++b) {
+    const int seq_len = args.batch.seq_lens[b];
+    if (seq_len == 0) continue;
+    for (int h = 0; h < hk; ++h) {
+      k.resize(std::size_t(seq_len) * d);
+      v.resize(std::size_t(seq_len) * d);
+      for (int pos = 0; pos < seq_len; ++pos) {
+        kv_rows(b, h, pos, 0, {&k[std::size_t(pos) * d], std::size_t(d)});
+        kv_rows(b, h, pos, 1, {&v[std::size_t(pos) * d], std::size_t(d)});
+      }
+      for (int t = 0; t < q_len; ++t) {
+        const int visible = args.params.causal ? seq_len - q_len + t + 1 : seq_len;
+        for (int j = 0; j < g; ++j) {
+          const int head = h * g + j;
+          const std::size_t row = std::size_t(b) * q_len + t;
+          const float* q = args.q.data + row * args.q.token_stride + head * args.q.head_stride;
+          s.assign(visible, 0.0);
+          double max_s = -std::numeric_limits<double>::infinity();
+          for (int pos = 0; pos < visible; ++pos) {
+            double dot = 0.0;
+            for (int c = 0; c < d; ++c) dot += double(q[c]) * k[std::size_t(pos) * d + c];
+            s[pos] = dot * softmax_scale;
+            max_s = std::max(max_s, s[pos]);
+          }
+          double sum = 0.0;
+          for (int pos = 0; pos < visible; ++pos) sum += std::exp(s[pos] - max_s);
+          double* o = &result.o[(row * hq + head) * d];
+          for (int pos = 0; pos < visible; ++pos) {
+            const double w = std::exp(s[pos] - max_s) / sum;
+            for (int c = 0; c < d; ++c) o[c] += w * v[std::size_t(pos) * d + c];
+          }
+          result.lse[row * hq + head] = max_s + std::log(sum);
+        }
+      }
+    }
+  }
+  return result;
+}
+
+}  // namespace mjolnir::reference

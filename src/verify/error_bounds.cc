@@ -1,0 +1,66 @@
+// Error bounds (see docs/numerics.md for the derivation and the measured margins).
+#include "verify/error_bounds.h"
+
+#include <cmath>
+
+namespace mjolnir::verify {
+
+namespace {
+
+double mode_roundoff(QMode mode) {
+  switch (mode) {
+    case QMode::fp32: return 0;
+    case QMode::bf16: return std::ldexp(1.0, -9);
+    case QMode::fp8: return std::ldexp(1.0, -4);
+  }
+  return 0;
+}
+
+double mode_roundoff(PMode mode) {
+  switch (mode) {
+    case PMode::fp32: return 0;
+    case PMode::bf16: return std::ldexp(1.0, -9);
+    case PMode::fp8: return std::ldexp(1.0, -4);
+  }
+  return 0;
+}
+
+// fp32 accumulation over up to a few thousand terms: a few ulps of the result.
+constexpr double kFp32Floor = 1e-5;
+// Sensitivities of O's relative error to the unit roundoff of each rounding step: the
+// first-order analysis in docs/numerics.md gives their form; the values are the worst ratios
+// measured over the case matrix (Q 2.5, P 0.55, format 2.7) with about 2.2x margin.
+constexpr double kQModeFactor = 6;
+constexpr double kPModeFactor = 2;
+constexpr double kFormatFactor = 6;
+
+}  // namespace
+
+double unit_roundoff(Format format) {
+  switch (format) {
+    case Format::bf16: return std::ldexp(1.0, -8);
+    case Format::fp16: return std::ldexp(1.0, -11);
+    case Format::fp8_e4m3: return std::ldexp(1.0, -4);
+    case Format::fp8_e5m2: return std::ldexp(1.0, -3);
+    case Format::fp6_e2m3: return std::ldexp(1.0, -4);
+    case Format::fp6_e3m2: return std::ldexp(1.0, -3);
+    case Format::fp4_e2m1: return std::ldexp(1.0, -2);
+    case Format::nvfp4: return std::ldexp(1.0, -2);
+  }
+  return 1;
+}
+
+double emulator_tolerance(const DecodeParams& params) {
+  return params.p_mode == PMode::fp8 || params.q_mode == QMode::fp8 ? 1e-4 : 2e-6;
+}
+
+double mode_error_bound(const DecodeParams& params) {
+  return kFp32Floor + kQModeFactor * mode_roundoff(params.q_mode) +
+         kPModeFactor * mode_roundoff(params.p_mode);
+}
+
+double format_error_bound(Format format, const DecodeParams& params) {
+  return mode_error_bound(params) + kFormatFactor * unit_roundoff(format);
+}
+
+}  // namespace mjolnir::verify

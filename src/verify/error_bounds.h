@@ -1,0 +1,24 @@
+// Error bounds the case matrix checks results against; derived in docs/numerics.md.
+#pragma once
+
+#include "mjolnir/decode.h"
+
+namespace mjolnir::verify {
+
+// Relative L2 of O between a backend and the emulator in the same mode and plan: only the order
+// of fp32 accumulation differs (and, rarely, a P code that rounds the other way at a tie).
+double emulator_tolerance(const DecodeParams& params);
+
+// Relative L2 of O against the fp64 reference on the decoded cache: the error of the Q and P
+// modes alone.
+double mode_error_bound(const DecodeParams& params);
+
+// Relative L2 of O against the fp64 reference on the original float K/V: the format's
+// quantization error plus the mode's.
+double format_error_bound(Format format, const DecodeParams& params);
+
+// Unit roundoff of a format: half the spacing of its codes relative to the value,
+// 2^-(mantissa bits + 1).
+double unit_roundoff(Format format);
+
+}  // namespace mjolnir::verify

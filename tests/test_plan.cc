@@ -1,0 +1,136 @@
+// Plan invariants: every (sequence, KV head, token) covered exactly once, chunk bounds on tile
+// multiples, splits capped, padding free, capacity enforced.
+#include <gtest/gtest.h>
+
+#include <random>
+#include <vector>
+
+#include "mjolnir/error.h"
+#include "mjolnir/plan.h"
+#include "test_seed.h"
+
+namespace mjolnir {
+namespace {
+
+void expect_exact_cover(const Plan& plan, const std::vector<std::int32_t>& lens, int hk,
+                        const PlanOptions& options) {
+  std::vector<std::vector<int>> hits(lens.size() * hk);
+  for (std::size_t b = 0; b < lens.size(); ++b) {
+    for (int h = 0; h < hk; ++h) hits[b * hk + h].assign(lens[b], 0);
+  }
+  std::vector<int> items_per_seq_head(lens.size() * hk, 0);
+  std::vector<int> slot_uses(plan.num_partials, 0);
+  for (const WorkItem& item : plan.work()) {
+    ASSERT_GE(item.seq, 0);
+    ASSERT_LT(item.seq, int(lens.size()));
+    ASSERT_GE(item.kv_head, 0);
+    ASSERT_LT(item.kv_head, hk);
+    ASSERT_LE(item.kv_begin, item.kv_end);
+    ASSERT_LE(item.kv_end, lens[item.seq]);
+    EXPECT_EQ(item.kv_begin % options.tile_tokens, 0) << "chunk starts off a tile boundary";
+    const int splits = plan.num_splits[item.seq];
+    EXPECT_GE(splits, 1);
+    EXPECT_LE(splits, options.max_splits);
+    EXPECT_LT(item.split, splits);
+    if (splits == 1) {
+      EXPECT_EQ(item.partial_slot, -1);
+    } else {
+      EXPECT_EQ(item.partial_slot, plan.first_partial[item.seq] + item.split);
+      ASSERT_LT(item.partial_slot, plan.num_partials);
+      ++slot_uses[item.partial_slot];
+      EXPECT_LT(item.kv_begin, item.kv_end) << "a split chunk is empty";
+    }
+    ++items_per_seq_head[item.seq * hk + item.kv_head];
+    for (int t = item.kv_begin; t < item.kv_end; ++t) ++hits[item.seq * hk + item.kv_head][t];
+  }
+  for (std::size_t b = 0; b < lens.size(); ++b) {
+    for (int h = 0; h < hk; ++h) {
+      EXPECT_EQ(items_per_seq_head[b * hk + h], plan.num_splits[b]) << "seq " << b << " head " << h;
+      for (int t = 0; t < lens[b]; ++t) {
+        ASSERT_EQ(hits[b * hk + h][t], 1) << "seq " << b << " head " << h << " token " << t;
+      }
+    }
+  }
+  for (int s = 0; s < plan.num_partials; ++s) EXPECT_EQ(slot_uses[s], hk) << "slot " << s;
+}
+
+TEST(Plan, CoversEveryTokenOnceOverRandomBatches) {
+  std::mt19937_64 rng(testing::test_seed());
+  for (int trial = 0; trial < 300; ++trial) {
+    const int num_seqs = 1 + rng() % 12;
+    const int hk = 1 + rng() % 8;
+    std::vector<std::int32_t> lens(num_seqs);
+    for (auto& len : lens) len = rng() % 5 == 0 ? 0 : 1 + rng() % 5000;
+    PlanOptions options;
+    options.workers = 1 + rng() % 264;
+    options.max_splits = 1 + rng() % 16;
+    options.tile_tokens = 1 << (3 + rng() % 5);
+    options.min_chunk_tokens = 1 + rng() % 512;
+    options.fixed_splits = rng() % 3 == 0 ? 1 + rng() % 20 : 0;
+    const int q_len = 1 + rng() % 8;
+    Plan plan(PlanCapacity{num_seqs + int(rng() % 3), hk, 16});
+    make_plan(plan, lens, q_len, hk, options);
+    SCOPED_TRACE("trial " + std::to_string(trial));
+    expect_exact_cover(plan, lens, hk, options);
+    if (HasFatalFailure()) return;
+  }
+}
+
+TEST(Plan, PaddingRequestsGetOneEmptyItemPerHead) {
+  Plan plan(PlanCapacity{3, 2, 4});
+  const std::vector<std::int32_t> lens{40, 0, 0};
+  make_plan(plan, lens, 1, 2, PlanOptions{.workers = 2});
+  int empty = 0;
+  for (const WorkItem& item : plan.work()) {
+    if (item.seq > 0) {
+      EXPECT_EQ(item.kv_begin, 0);
+      EXPECT_EQ(item.kv_end, 0);
+      EXPECT_EQ(item.partial_slot, -1);
+      ++empty;
+    }
+  }
+  EXPECT_EQ(empty, 4);
+}
+
+TEST(Plan, SplitsOneLongSequenceToFillTheWorkers) {
+  // Batch 1, one KV head, 8 workers: 8192 tokens should be cut into about 8 chunks.
+  Plan plan(PlanCapacity{1, 1, 16});
+  const std::vector<std::int32_t> lens{8192};
+  make_plan(plan, lens, 1, 1, PlanOptions{.workers = 8, .max_splits = 16, .tile_tokens = 64});
+  EXPECT_EQ(plan.num_splits[0], 8);
+  EXPECT_EQ(plan.num_items, 8);
+  EXPECT_EQ(plan.items[1].kv_begin, 1024);
+  // Already one item per worker without splitting: nothing is split.
+  Plan wide(PlanCapacity{8, 8, 16});
+  const std::vector<std::int32_t> many(8, 8192);
+  make_plan(wide, many, 1, 8, PlanOptions{.workers = 16, .max_splits = 16, .tile_tokens = 64});
+  EXPECT_EQ(wide.num_partials, 0);
+  EXPECT_EQ(wide.num_items, 64);
+}
+
+TEST(Plan, SplitsAreCapped) {
+  Plan plan(PlanCapacity{1, 1, 4});
+  const std::vector<std::int32_t> lens{100000};
+  make_plan(plan, lens, 1, 1, PlanOptions{.workers = 132, .max_splits = 64});
+  EXPECT_EQ(plan.num_splits[0], 4);
+}
+
+TEST(Plan, RejectsWhatDoesNotFit) {
+  Plan plan(PlanCapacity{2, 4, 4});
+  const std::vector<std::int32_t> three{10, 10, 10};
+  EXPECT_THROW(make_plan(plan, three, 1, 4, {}), Error);
+  const std::vector<std::int32_t> two{10, 10};
+  EXPECT_THROW(make_plan(plan, two, 1, 8, {}), Error);
+  EXPECT_THROW(make_plan(plan, two, 0, 4, {}), Error);
+  EXPECT_THROW(make_plan(plan, two, 9, 4, {}), Error);
+  const std::vector<std::int32_t> negative{10, -1};
+  try {
+    make_plan(plan, negative, 1, 4, {});
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("seq_lens[1]"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace mjolnir
