@@ -1,0 +1,126 @@
+// Bad input to decode(): every class gets an Error that names the argument, never a crash or
+// an out-of-bounds read (DESIGN.md section 7).
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <limits>
+#include <string>
+
+#include "mjolnir/decode.h"
+#include "mjolnir/error.h"
+#include "test_seed.h"
+#include "verify/problem.h"
+
+namespace mjolnir {
+namespace {
+
+verify::ProblemSpec small_spec() {
+  verify::ProblemSpec spec;
+  spec.format = Format::fp8_e4m3;
+  spec.page_size = 16;
+  spec.head_dim = 64;
+  spec.num_kv_heads = 2;
+  spec.group = 2;
+  spec.params.q_len = 2;
+  spec.seq_lens = {37, 5};
+  spec.seed = testing::test_seed();
+  return spec;
+}
+
+// Runs decode() on a valid problem after `corrupt` changes its arguments, expecting an Error
+// whose message contains `names`.
+void expect_rejected(const std::function<void(DecodeArgs&)>& corrupt, const std::string& names) {
+  verify::Problem problem(small_spec());
+  DecodeArgs args = problem.args();
+  corrupt(args);
+  for (const char* backend : {"cpu", "reference"}) {
+    try {
+      decode(*make_backend(backend), args);
+      ADD_FAILURE() << backend << ": no error; expected one naming '" << names << "'";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(names), std::string::npos)
+          << backend << ": message '" << e.what() << "' does not name '" << names << "'";
+    }
+  }
+}
+
+TEST(DecodeValidation, ValidProblemRuns) {
+  verify::Problem problem(small_spec());
+  EXPECT_NO_THROW(decode(*make_backend("cpu"), problem.args()));
+}
+
+TEST(DecodeValidation, QLenOutOfRange) {
+  expect_rejected([](DecodeArgs& a) { a.params.q_len = 0; }, "q_len");
+  expect_rejected([](DecodeArgs& a) { a.params.q_len = 9; }, "q_len");
+}
+
+TEST(DecodeValidation, HeadsNotAMultipleOfKvHeads) {
+  expect_rejected([](DecodeArgs& a) { a.params.num_q_heads = 3; }, "num_q_heads");
+}
+
+TEST(DecodeValidation, BlockTableEntryOutsideThePool) {
+  static std::vector<std::int32_t> table;
+  expect_rejected(
+      [](DecodeArgs& a) {
+        table.assign(a.batch.block_table.begin(), a.batch.block_table.end());
+        table[1] = a.cache.geometry.num_pages;  // sequence 0 uses its second page
+        a.batch.block_table = table;
+      },
+      "block_table[0][1]");
+}
+
+TEST(DecodeValidation, SeqLenLargerThanItsPages) {
+  static std::vector<std::int32_t> lens;
+  expect_rejected(
+      [](DecodeArgs& a) {
+        lens.assign(a.batch.seq_lens.begin(), a.batch.seq_lens.end());
+        lens[1] = a.batch.max_pages_per_seq * a.cache.geometry.page_size + 1;
+        a.batch.seq_lens = lens;
+      },
+      "seq_lens[1]");
+}
+
+TEST(DecodeValidation, SeqLenShorterThanQLen) {
+  static std::vector<std::int32_t> lens;
+  expect_rejected(
+      [](DecodeArgs& a) {
+        lens.assign(a.batch.seq_lens.begin(), a.batch.seq_lens.end());
+        lens[1] = 1;
+        a.batch.seq_lens = lens;
+      },
+      "seq_lens[1]");
+}
+
+TEST(DecodeValidation, UnsupportedHeadDimAndPageSize) {
+  expect_rejected([](DecodeArgs& a) { a.cache.geometry.head_dim = 80; }, "head_dim");
+  expect_rejected([](DecodeArgs& a) { a.cache.geometry.page_size = 12; }, "page_size");
+  expect_rejected([](DecodeArgs& a) { a.cache.geometry.page_size = 512; }, "page_size");
+}
+
+TEST(DecodeValidation, MissingOrWrongSizedScales) {
+  expect_rejected([](DecodeArgs& a) { a.cache.k_scale = {}; }, "k_scale");
+  expect_rejected([](DecodeArgs& a) { a.cache.v_scale = a.cache.v_scale.first(1); }, "v_scale");
+  static std::vector<float> bad{1.0f, -2.0f};
+  expect_rejected([](DecodeArgs& a) { a.cache.v_scale = bad; }, "v_scale");
+}
+
+TEST(DecodeValidation, StridesOutsideThePool) {
+  expect_rejected([](DecodeArgs& a) { a.cache.bytes -= 1; }, "cache");
+  expect_rejected([](DecodeArgs& a) { a.cache.strides.page *= 2; }, "cache");
+}
+
+TEST(DecodeValidation, QueryAndOutputTensors) {
+  expect_rejected([](DecodeArgs& a) { a.q.data = nullptr; }, "q.data");
+  expect_rejected([](DecodeArgs& a) { a.o.head_stride = 10; }, "o.head_stride");
+  expect_rejected([](DecodeArgs& a) { a.q.token_stride = 64; }, "q.token_stride");
+  expect_rejected([](DecodeArgs& a) { a.lse = a.lse.first(3); }, "lse");
+}
+
+TEST(DecodeValidation, BadSoftmaxScale) {
+  expect_rejected(
+      [](DecodeArgs& a) { a.params.softmax_scale = std::numeric_limits<float>::quiet_NaN(); },
+      "softmax_scale");
+}
+
+}  // namespace
+}  // namespace mjolnir

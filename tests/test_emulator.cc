@@ -1,0 +1,179 @@
+// Hand-worked values for the numerics contract, run on the emulator and the CPU backend alike:
+// single token, causal and non-causal masks, fp8 P rounding, fp8 Q codes, and the LSE merge.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+#include "mjolnir/decode.h"
+#include "mjolnir/write_kv.h"
+#include "reference/emulator.h"
+
+namespace mjolnir {
+namespace {
+
+constexpr int kD = 32;
+
+// One page of 8 tokens, Hk = 1, D = 32, bf16 (so small integers and halves are exact), scales 1.
+struct TinyCache {
+  CacheGeometry geometry{Format::bf16, 1, 8, 1, kD};
+  std::vector<std::byte> pool;
+  std::vector<float> ones{1.0f};
+  std::vector<std::int32_t> block_table{0};
+  std::vector<std::int32_t> seq_lens;
+
+  explicit TinyCache(const std::vector<std::vector<float>>& k,
+                     const std::vector<std::vector<float>>& v)
+      : pool(pool_bytes(geometry)) {
+    std::vector<std::int64_t> slots(k.size());
+    std::iota(slots.begin(), slots.end(), 0);
+    std::vector<float> k_flat, v_flat;
+    for (std::size_t i = 0; i < k.size(); ++i) {
+      k_flat.insert(k_flat.end(), k[i].begin(), k[i].end());
+      v_flat.insert(v_flat.end(), v[i].begin(), v[i].end());
+    }
+    write_kv(view(), TokenRows{k_flat.data(), kD, kD}, TokenRows{v_flat.data(), kD, kD}, slots);
+    seq_lens = {static_cast<std::int32_t>(k.size())};
+  }
+  KvCacheView view() {
+    KvCacheView c;
+    c.geometry = geometry;
+    c.strides = layout_strides(geometry, Layout::B2NHD);
+    c.data = pool.data();
+    c.bytes = pool.size();
+    c.k_scale = ones;
+    c.v_scale = ones;
+    return c;
+  }
+};
+
+std::vector<float> basis(int channel, float value) {
+  std::vector<float> x(kD, 0.0f);
+  x[channel] = value;
+  return x;
+}
+
+std::vector<float> iota_row(float start) {
+  std::vector<float> x(kD);
+  for (int c = 0; c < kD; ++c) x[c] = start + c;
+  return x;
+}
+
+struct Outputs {
+  std::vector<float> o, lse;
+};
+
+Outputs run(const std::string& backend_name, TinyCache& cache, const std::vector<float>& q, int q_len,
+        bool causal, DecodeParams params = {}) {
+  params.q_len = q_len;
+  params.num_q_heads = 1;
+  params.causal = causal;
+  Outputs r;
+  r.o.assign(q.size(), std::numeric_limits<float>::quiet_NaN());
+  r.lse.assign(q_len, std::numeric_limits<float>::quiet_NaN());
+  DecodeArgs args{cache.view(), PagedBatch{cache.block_table, 1, cache.seq_lens}, params,
+                  QueryTensor{q.data(), kD, kD}, OutputTensor{r.o.data(), kD, kD}, r.lse};
+  decode(*make_backend(backend_name), args);
+  return r;
+}
+
+class HandWorked : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(HandWorked, OneTokenReturnsItsValue) {
+  TinyCache cache({basis(0, 2.0f)}, {iota_row(1.0f)});
+  const std::vector<float> q = basis(0, 3.0f);
+  const Outputs r = run(GetParam(), cache, q, 1, true);
+  for (int c = 0; c < kD; ++c) EXPECT_EQ(r.o[c], 1.0f + c);
+  // lse = s = q . k / sqrt(D) = 6 / sqrt(32).
+  EXPECT_NEAR(r.lse[0], 6.0 / std::sqrt(32.0), 1e-6);
+}
+
+TEST_P(HandWorked, CausalAndNonCausalMasks) {
+  // q = 0 makes every score 0, so each row averages the V rows it may see.
+  TinyCache cache({basis(1, 1.0f), basis(2, 1.0f), basis(3, 1.0f)},
+                  {iota_row(0.0f), iota_row(10.0f), iota_row(20.0f)});
+  const std::vector<float> q(2 * kD, 0.0f);
+  const Outputs causal = run(GetParam(), cache, q, 2, true);
+  const Outputs full = run(GetParam(), cache, q, 2, false);
+  for (int c = 0; c < kD; ++c) {
+    EXPECT_FLOAT_EQ(causal.o[c], 5.0f + c) << "token 0 sees positions 0..1";
+    EXPECT_FLOAT_EQ(causal.o[kD + c], 10.0f + c) << "token 1 sees positions 0..2";
+    EXPECT_FLOAT_EQ(full.o[c], 10.0f + c);
+    EXPECT_FLOAT_EQ(full.o[kD + c], 10.0f + c);
+  }
+  EXPECT_NEAR(causal.lse[0], std::log(2.0), 1e-6);
+  EXPECT_NEAR(causal.lse[1], std::log(3.0), 1e-6);
+}
+
+TEST_P(HandWorked, Fp8ProbabilitiesRoundAsE4m3OfPTimes256) {
+  // Scores (log2 units): token 0 -> 0, token 1 -> log2(0.3). p = 1 and 0.3; in fp8 P mode
+  // 0.3 * 256 = 76.8 rounds to the e4m3 code 80 (spacing 8 in [64, 128)), so
+  // O = (v0 + 80/256 v1) / (1 + 0.3), with l the fp32 sum of unrounded p.
+  TinyCache cache({basis(0, 0.0f), basis(0, 1.0f)}, {basis(0, 1.0f), basis(1, 1.0f)});
+  std::vector<float> q = basis(0, std::log(0.3f));
+  DecodeParams params;
+  params.softmax_scale = 1.0f;
+  params.p_mode = PMode::fp8;
+  const Outputs r = run(GetParam(), cache, q, 1, true, params);
+  EXPECT_NEAR(r.o[0], 1.0 / 1.3, 2e-7);
+  EXPECT_NEAR(r.o[1], 0.3125 / 1.3, 2e-7);
+  params.p_mode = PMode::fp32;
+  const Outputs exact = run(GetParam(), cache, q, 1, true, params);
+  EXPECT_NEAR(exact.o[1], 0.3 / 1.3, 2e-7);
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, HandWorked, ::testing::Values("reference", "cpu"));
+
+TEST(Emulator, Fp8QueryCodesPerSequenceAndHead) {
+  // amax 896 -> sq = 896 / 448 = 2; q / sq = 448, 0.5, 1.65 -> e4m3 448, 0.5, 1.625.
+  TinyCache cache({basis(0, 1.0f)}, {basis(0, 1.0f)});
+  std::vector<float> q(kD, 0.0f);
+  q[0] = 896.0f;
+  q[1] = 1.0f;
+  q[2] = 3.3f;
+  std::vector<float> o(kD);
+  DecodeParams params;
+  params.num_q_heads = 1;
+  params.q_mode = QMode::fp8;
+  const DecodeArgs args{cache.view(), PagedBatch{cache.block_table, 1, cache.seq_lens}, params,
+                        QueryTensor{q.data(), kD, kD}, OutputTensor{o.data(), kD, kD}, {}};
+  const reference::PreparedQuery prepared = reference::prepare_query(args, 0, 0);
+  EXPECT_EQ(prepared.values[0], 448.0f);
+  EXPECT_EQ(prepared.values[1], 0.5f);
+  EXPECT_EQ(prepared.values[2], 1.625f);
+  EXPECT_EQ(prepared.values[3], 0.0f);
+  EXPECT_FLOAT_EQ(prepared.score_scale, 2.0f / std::sqrt(32.0f) * 1.4426950408889634f);
+}
+
+TEST(Merge, WeightsChunksByTheirLse) {
+  // lse ln 1 and ln 3: weights 1/4 and 3/4, merged lse ln 4.
+  const std::vector<float> partial_o{1.0f, 2.0f, 5.0f, 6.0f};
+  const std::vector<float> partial_lse{0.0f, std::log(3.0f)};
+  std::vector<float> o(2);
+  float lse = 0;
+  reference::merge_chunks(partial_o, partial_lse, 2, o, &lse);
+  EXPECT_FLOAT_EQ(o[0], 0.25f * 1 + 0.75f * 5);
+  EXPECT_FLOAT_EQ(o[1], 0.25f * 2 + 0.75f * 6);
+  EXPECT_FLOAT_EQ(lse, std::log(4.0f));
+}
+
+TEST(Merge, EmptyChunksWeighNothingAndAllEmptyIsZero) {
+  const float inf = std::numeric_limits<float>::infinity();
+  std::vector<float> o(2);
+  float lse = 0;
+  reference::merge_chunks(std::vector<float>{9.0f, 9.0f, 3.0f, 4.0f},
+                          std::vector<float>{-inf, 1.5f}, 2, o, &lse);
+  EXPECT_EQ(o[0], 3.0f);
+  EXPECT_EQ(o[1], 4.0f);
+  EXPECT_EQ(lse, 1.5f);
+  reference::merge_chunks(std::vector<float>{9.0f, 9.0f, 9.0f, 9.0f},
+                          std::vector<float>{-inf, -inf}, 2, o, &lse);
+  EXPECT_EQ(o[0], 0.0f);
+  EXPECT_EQ(o[1], 0.0f);
+  EXPECT_EQ(lse, -inf);
+}
+
+}  // namespace
+}  // namespace mjolnir
