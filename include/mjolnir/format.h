@@ -33,7 +33,8 @@ Format parse_format(std::string_view name, std::string_view arg_name = "format")
 // Bits per stored element code (nvfp4: 4, its block scales counted by row_bytes()).
 int element_bits(Format format);
 // Largest value one token's channel can represent before the outer scale: the element maximum,
-// and for nvfp4 6 * 448 (largest code times largest block scale). Calibration divides amax by it.
+// for nvfp4 6 * 448 (largest code times largest block scale), and for bf16 / fp16 their largest
+// finite values. Calibration divides amax by it.
 float format_max(Format format);
 // True for formats that are stored quantized with a scale (everything but bf16 and fp16).
 bool is_quantized(Format format);
@@ -47,14 +48,19 @@ inline constexpr int kNvfp4BlockSize = 16;
 std::size_t row_bytes(Format format, int head_dim);
 
 // Scalar element codecs, the definition every fast path is tested against. `code` holds the
-// element's bits in its low bits (16 for bf16/fp16, 8, 6 or 4). nvfp4 elements are fp4_e2m1.
+// element's bits in its low bits (16 for bf16/fp16, 8, 6 or 4); decode_element throws Error for
+// bits above the element's width. nvfp4 elements are fp4_e2m1. Every NaN input encodes to the
+// positive all-ones magnitude (NaN where the format has one, its maximum where it has none), as
+// CUDA's conversions do.
 std::uint32_t encode_element(Format format, float value);
 float decode_element(Format format, std::uint32_t code);
 
 // Quantizes one token row: row[c] = encode(values[c]) packed as above. `values` are already
 // divided by the outer (tensor / head / channel) scale. For nvfp4 each block of 16 gets the
 // scale e4m3(amax_block / 6) (kept > 0 when the block is not all zero) and codes
-// e2m1(value / decode(block_scale)).
+// e2m1(value / decode(block_scale)): fast paths must divide by the decoded block scale, not
+// multiply by its reciprocal, to match bit for bit. An all-zero block has scale 0 and decodes
+// to +0.
 void encode_row(Format format, std::span<const float> values, std::span<std::byte> row);
 // Inverse of encode_row: out[c] = decoded value (times the nvfp4 block scale), before the outer
 // scale is applied.

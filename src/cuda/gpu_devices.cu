@@ -1,0 +1,29 @@
+// cuda_devices() through the CUDA runtime: the one place that asks the driver what is there.
+#include <cuda_runtime.h>
+
+#include "core/gpu_devices.h"
+
+namespace mjolnir {
+
+std::vector<GpuDevice> cuda_devices(std::string* why_none) {
+  int count = 0;
+  const cudaError_t status = cudaGetDeviceCount(&count);
+  if (status != cudaSuccess || count == 0) {
+    if (why_none) {
+      *why_none = status != cudaSuccess
+                      ? std::string("no CUDA device: ") + cudaGetErrorString(status)
+                      : std::string("no CUDA device");
+    }
+    return {};
+  }
+  std::vector<GpuDevice> devices;
+  for (int i = 0; i < count; ++i) {
+    cudaDeviceProp prop{};
+    if (cudaGetDeviceProperties(&prop, i) != cudaSuccess) continue;
+    devices.push_back(GpuDevice{prop.name, prop.major, prop.minor, prop.multiProcessorCount,
+                                double(prop.totalGlobalMem) / (1024.0 * 1024.0 * 1024.0)});
+  }
+  return devices;
+}
+
+}  // namespace mjolnir
