@@ -25,8 +25,8 @@ struct ScalesFile {
 };
 
 // scale = amax / format_max(format) * headroom, reduced from per-(head, channel) amax [Hk * D]
-// to the granularity by taking the max. Zero amax gives the scale of the smallest normal input
-// (so an all-zero channel stays representable instead of dividing by zero).
+// to the granularity by taking the max. A zero (or tiny) amax gives FLT_MIN, the smallest normal
+// float, so the scale stays positive and normal (GPUs flush subnormals).
 std::vector<float> scales_from_amax(std::span<const float> amax, Format format,
                                     ScaleGranularity granularity, int num_kv_heads, int head_dim,
                                     double headroom = 1.0);

@@ -25,7 +25,8 @@ struct AmaxRecorder {
 // Quantizes token i of k and v into slot slot_mapping[i] = page * page_size + offset of `cache`
 // (negative slots are skipped, as vLLM's reshape_and_cache_flash does). Everything is checked
 // before any byte is written: slots inside the pool, the strides, and that every K/V value to be
-// stored is finite ("k[5][2][17] is NaN"). With `amax`, records |x| maxima of the written tokens.
+// stored is finite ("k[5][2][17] is NaN"). Two tokens mapped to one slot: the later one wins,
+// as in vLLM. With `amax`, records |x| maxima of the written tokens.
 void write_kv(const KvCacheView& cache, const TokenRows& k, const TokenRows& v,
               std::span<const std::int64_t> slot_mapping, AmaxRecorder* amax = nullptr);
 
