@@ -1,0 +1,336 @@
+#include "cmd_bench.h"
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "bench_cuda.h"
+#include "bench_workload.h"
+#include "cpu/read_bandwidth.h"
+#include "host_backend.h"
+#include "machine_info.h"
+#include "mjolnir/decode.h"
+#include "mjolnir/error.h"
+#include "verify/problem.h"
+
+namespace mjolnir::tools {
+
+namespace {
+
+constexpr std::size_t kMiB = std::size_t{1} << 20;
+constexpr std::size_t kGiB = std::size_t{1} << 30;
+// Working sets below this (or 4x the last-level cache) would time the cache, not memory.
+constexpr std::size_t kMinWorkingSetBytes = 512 * kMiB;
+// The copies may take at most this share of the memory available when the bench starts, and
+// never more than this many bytes: the bench must not push a serving machine into swap.
+constexpr double kMemoryShare = 0.5;
+constexpr std::size_t kMaxCopiesBytes = 16 * kGiB;
+
+struct Heads {
+  int num_q_heads = 0;
+  int num_kv_heads = 0;
+};
+
+Heads parse_heads(const std::string& text) {
+  const auto colon = text.find(':');
+  Heads heads;
+  const auto parse = [&](std::string_view part, int& value) {
+    const auto [end, ec] = std::from_chars(part.data(), part.data() + part.size(), value);
+    return ec == std::errc() && end == part.data() + part.size() && value > 0;
+  };
+  const std::string_view view(text);
+  const bool ok = colon != std::string::npos && parse(view.substr(0, colon), heads.num_q_heads) &&
+                  parse(view.substr(colon + 1), heads.num_kv_heads);
+  MJOLNIR_REQUIRE(ok, "--heads: '", text, "' is not HQ:HK with two positive counts");
+  MJOLNIR_REQUIRE(heads.num_q_heads % heads.num_kv_heads == 0, "--heads: Hq ", heads.num_q_heads,
+                  " is not a multiple of Hk ", heads.num_kv_heads);
+  return heads;
+}
+
+std::vector<Format> parse_formats(const std::vector<std::string>& names) {
+  std::vector<Format> formats;
+  for (const std::string& name : names) {
+    if (name == "all") {
+      formats.insert(formats.end(), std::begin(kAllFormats), std::end(kAllFormats));
+    } else {
+      formats.push_back(parse_format(name, "--format"));
+    }
+  }
+  return formats;
+}
+
+std::size_t copies_memory_limit() {
+  const std::size_t available = available_memory_bytes();
+  if (available == 0) return 4 * kGiB;  // /proc/meminfo unreadable: stay modest
+  return std::min(kMaxCopiesBytes, static_cast<std::size_t>(kMemoryShare * available));
+}
+
+// One measured configuration: a row of the table and an entry of the JSON results.
+struct Row {
+  std::string backend;
+  verify::ProblemSpec spec;  // the whole step: format, layout, heads, modes, seq_lens
+  Measurement measurement;
+  double gbps = 0;
+  double bandwidth_fraction = 0;
+  double rel_error_vs_exact = 0;
+
+  int batch() const { return static_cast<int>(spec.seq_lens.size()); }
+  int context() const { return spec.seq_lens.empty() ? 0 : spec.seq_lens[0]; }
+};
+
+verify::ProblemSpec base_spec(const BenchOptions& options, const Heads& heads) {
+  verify::ProblemSpec spec;
+  spec.layout = parse_layout(options.layout, "--layout");
+  spec.granularity = parse_granularity(options.granularity, "--granularity");
+  spec.page_size = options.page_size;
+  spec.head_dim = options.head_dim;
+  spec.num_kv_heads = heads.num_kv_heads;
+  spec.group = heads.num_q_heads / heads.num_kv_heads;
+  spec.params.q_len = options.q_len;
+  spec.params.num_q_heads = heads.num_q_heads;
+  spec.params.q_mode = parse_q_mode(options.q_mode);
+  spec.params.p_mode = parse_p_mode(options.p_mode);
+  spec.seed = options.seed;
+  return spec;
+}
+
+// Builds a one-sequence problem of every format, so a bad flag (a page size, a head size) fails
+// now with the library's own message, not after the bandwidth measurement.
+void check_configurations(const verify::ProblemSpec& base, const std::vector<Format>& formats) {
+  for (const Format format : formats) {
+    verify::ProblemSpec spec = base;
+    spec.format = format;
+    spec.seq_lens = {spec.params.q_len};
+    spec.keep_original_kv = false;
+    verify::Problem problem(spec);
+    validate(problem.args());
+  }
+}
+
+// The physical limit the results are set against, measured at the start of the run: the CPU's
+// read bandwidth for host backends, the card's copy bandwidth for cuda.
+struct Limit {
+  double gbps = 0;
+  std::string what;                // for the header line
+  nlohmann::ordered_json machine;  // the JSON "machine" object
+};
+
+Limit measure_limit(bool on_gpu, int threads) {
+  Limit limit;
+  if (on_gpu) {
+    std::fprintf(stderr, "bench: measuring the GPU's copy bandwidth\n");
+    const GpuLimit gpu = measure_gpu_limit();
+    limit.gbps = gpu.copy_bandwidth_gbps;
+    limit.what = gpu.device + ", copy bandwidth (read + write)";
+    limit.machine = {{"gpu", gpu.device},
+                     {"copy_bandwidth_gbps", gpu.copy_bandwidth_gbps},
+                     {"cpu", cpu_model_name()},
+                     {"threads", threads}};
+    return limit;
+  }
+  const std::size_t llc = cpu::last_level_cache_bytes();
+  const std::size_t bytes = cpu::default_read_bandwidth_bytes();
+  std::fprintf(stderr, "bench: measuring read bandwidth (%d threads, %s buffer)\n", threads,
+               format_bytes(bytes).c_str());
+  limit.gbps = cpu::measure_read_bandwidth_gbps(threads, bytes);
+  limit.what = cpu_model_name() + ", " + std::to_string(threads) + " threads, last-level cache " +
+               format_bytes(llc) + ", read bandwidth";
+  limit.machine = {{"read_bandwidth_gbps", limit.gbps},
+                   {"cpu", cpu_model_name()},
+                   {"threads", threads},
+                   {"llc_bytes", llc}};
+  return limit;
+}
+
+// Times the step and checks its accuracy. nullopt (after saying why) when the backend does not
+// support the configuration. `host_backend` takes host arguments (for cuda: the staging
+// adapter); it answers the support question and runs the accuracy check.
+std::optional<Row> measure(const Backend& host_backend, bool on_gpu,
+                           const verify::ProblemSpec& spec, const PlanOptions& plan_options,
+                           const TimingOptions& timing, const Limit& limit) {
+  CacheGeometry geometry;
+  geometry.format = spec.format;
+  geometry.page_size = spec.page_size;
+  geometry.num_kv_heads = spec.num_kv_heads;
+  geometry.head_dim = spec.head_dim;
+  const std::string unsupported = host_backend.unsupported_reason(geometry, spec.params);
+  if (!unsupported.empty()) {
+    std::printf("%-9s %6zu %8d unsupported: %s\n", std::string(to_string(spec.format)).c_str(),
+                spec.seq_lens.size(), spec.seq_lens[0], unsupported.c_str());
+    return std::nullopt;
+  }
+
+  Row row;
+  row.backend = host_backend.name();
+  row.spec = spec;
+  // Working sets below this (or 4x the last-level cache) would time the cache, not memory.
+  const std::size_t working_set = std::max(kMinWorkingSetBytes, 4 * cpu::last_level_cache_bytes());
+  row.measurement = on_gpu ? measure_cuda(spec, plan_options, timing)
+                           : measure_host_backend(host_backend, spec, plan_options, timing,
+                                                  working_set, copies_memory_limit());
+  row.gbps = static_cast<double>(row.measurement.kv_bytes) /
+             (row.measurement.timing.median_us * 1e-6) / 1e9;
+  row.bandwidth_fraction = row.gbps / limit.gbps;
+  row.rel_error_vs_exact = error_vs_exact(host_backend, spec, plan_options);
+  return row;
+}
+
+void print_table_header() {
+  std::printf("%-9s %6s %8s %6s %12s %10s %8s %7s %10s\n", "format", "batch", "context", "q_len",
+              "median_us", "KV_MiB", "GB/s", "of_bw", "err_exact");
+  std::fflush(stdout);
+}
+
+void print_row(const Row& row) {
+  std::printf("%-9s %6d %8d %6d %12.1f %10.1f %8.2f %6.0f%% %10.2e\n",
+              std::string(to_string(row.spec.format)).c_str(), row.batch(), row.context(),
+              row.spec.params.q_len, row.measurement.timing.median_us,
+              static_cast<double>(row.measurement.kv_bytes) / kMiB, row.gbps,
+              100 * row.bandwidth_fraction, row.rel_error_vs_exact);
+  std::fflush(stdout);
+}
+
+nlohmann::ordered_json to_json(const Row& row) {
+  const verify::ProblemSpec& spec = row.spec;
+  return {
+      {"backend", row.backend},
+      {"format", std::string(to_string(spec.format))},
+      {"batch", row.batch()},
+      {"context", row.context()},
+      {"q_len", spec.params.q_len},
+      {"hq", spec.num_kv_heads * spec.group},
+      {"hk", spec.num_kv_heads},
+      {"d", spec.head_dim},
+      {"page", spec.page_size},
+      {"layout", std::string(to_string(spec.layout))},
+      {"granularity", std::string(to_string(spec.granularity))},
+      {"q_mode", std::string(to_string(spec.params.q_mode))},
+      {"p_mode", std::string(to_string(spec.params.p_mode))},
+      {"median_us", row.measurement.timing.median_us},
+      {"runs", row.measurement.timing.runs},
+      {"kv_bytes", row.measurement.kv_bytes},
+      {"working_set_bytes", row.measurement.working_set_bytes},
+      {"copies", row.measurement.copies},
+      {"gbps", row.gbps},
+      {"bandwidth_fraction", row.bandwidth_fraction},
+      {"rel_error_vs_exact", row.rel_error_vs_exact},
+  };
+}
+
+}  // namespace
+
+CLI::App* add_bench_command(CLI::App& app, BenchOptions& options) {
+  CLI::App* cmd = app.add_subcommand(
+      "bench", "Time decode steps against this machine's measured read bandwidth");
+  cmd->add_option("--backend", options.backend, "Backend to time: cpu, reference or cuda")
+      ->capture_default_str();
+  cmd->add_option("--format", options.formats,
+                  "KV cache format (repeatable or comma list; 'all' for every format)")
+      ->delimiter(',')
+      ->capture_default_str();
+  cmd->add_option("--context", options.contexts, "KV tokens per sequence (repeatable or list)")
+      ->delimiter(',')
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  cmd->add_option("--batch", options.batch, "Sequences in the step")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  cmd->add_option("--q-len", options.q_len, "Query tokens per sequence (1 + speculative)")
+      ->check(CLI::Range(1, kMaxQLen))
+      ->capture_default_str();
+  cmd->add_option("--heads", options.heads, "Query and KV heads, HQ:HK")->capture_default_str();
+  cmd->add_option("--head-dim", options.head_dim, "Channels per head (D)")->capture_default_str();
+  cmd->add_option("--page-size", options.page_size, "Tokens per page")->capture_default_str();
+  cmd->add_option("--layout", options.layout, "Cache layout: BHN2D BNH2D B2NHD B2HND 2BNHD 2BHND")
+      ->capture_default_str();
+  cmd->add_option("--granularity", options.granularity, "Scale granularity: tensor, head, channel")
+      ->capture_default_str();
+  cmd->add_option("--q-mode", options.q_mode, "Q numerics: fp32, bf16, fp8")->capture_default_str();
+  cmd->add_option("--p-mode", options.p_mode, "P numerics: fp32, bf16, fp8")->capture_default_str();
+  cmd->add_option("--threads", options.threads, "CPU threads (0: every hardware thread)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  cmd->add_option("--iterations", options.iterations,
+                  "Timed runs per configuration (0: as many as fit in --min-time)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  cmd->add_option("--min-time", options.min_time_s, "Seconds to time each configuration for")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  cmd->add_option("--seed", options.seed, "Seed of the generated cache")->capture_default_str();
+  cmd->add_option("--json", options.json_path, "Also write the results to this JSON file");
+  return cmd;
+}
+
+int run_bench(const BenchOptions& options) {
+  const Heads heads = parse_heads(options.heads);
+  const std::vector<Format> formats = parse_formats(options.formats);
+  const int threads = options.threads > 0 ? options.threads : hardware_threads();
+
+  // Opened now, so an unwritable path fails before minutes of measuring, not after.
+  std::ofstream json_file;
+  if (!options.json_path.empty()) {
+    json_file.open(options.json_path);
+    MJOLNIR_REQUIRE(json_file.good(), "--json: cannot open '", options.json_path, "' for writing");
+  }
+
+  BackendOptions backend_options;
+  backend_options.threads = threads;
+  const bool on_gpu = options.backend == "cuda";
+  const auto backend = make_host_backend(options.backend, backend_options);
+  const std::string unavailable = backend->unavailable_reason();
+  MJOLNIR_REQUIRE(unavailable.empty(), "--backend: ", options.backend,
+                  " cannot run here: ", unavailable);
+
+  const verify::ProblemSpec base = base_spec(options, heads);
+  check_configurations(base, formats);
+  for (const int context : options.contexts) {
+    // The context counts the q_len new tokens, which are in the cache when attention runs.
+    MJOLNIR_REQUIRE(context >= options.q_len, "--context: ", context,
+                    " tokens cannot hold the --q-len ", options.q_len, " new ones");
+  }
+  PlanOptions plan_options;
+  plan_options.workers = backend->workers();
+  TimingOptions timing;
+  timing.iterations = options.iterations;
+  timing.min_time_s = options.min_time_s;
+
+  const Limit limit = measure_limit(on_gpu, threads);
+  std::printf("machine: %s %.2f GB/s\n", limit.what.c_str(), limit.gbps);
+  std::printf("workload: backend %s, Hq %d, Hk %d, D %d, page %d, %s, %s scales, q %s, p %s\n",
+              std::string(backend->name()).c_str(), heads.num_q_heads, heads.num_kv_heads,
+              options.head_dim, options.page_size, std::string(to_string(base.layout)).c_str(),
+              std::string(to_string(base.granularity)).c_str(),
+              std::string(to_string(base.params.q_mode)).c_str(),
+              std::string(to_string(base.params.p_mode)).c_str());
+  print_table_header();
+
+  nlohmann::ordered_json results = nlohmann::ordered_json::array();
+  for (const Format format : formats) {
+    for (const int context : options.contexts) {
+      verify::ProblemSpec spec = base;
+      spec.format = format;
+      spec.seq_lens.assign(options.batch, context);
+      const std::optional<Row> row = measure(*backend, on_gpu, spec, plan_options, timing, limit);
+      if (!row) continue;
+      print_row(*row);
+      results.push_back(to_json(*row));
+    }
+  }
+
+  if (json_file.is_open()) {
+    const nlohmann::ordered_json document = {{"machine", limit.machine}, {"results", results}};
+    json_file << document.dump(2) << '\n';
+    MJOLNIR_REQUIRE(json_file.good(), "--json: writing '", options.json_path, "' failed");
+  }
+  return 0;
+}
+
+}  // namespace mjolnir::tools

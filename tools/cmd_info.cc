@@ -1,0 +1,62 @@
+#include "cmd_info.h"
+
+#include <CLI/CLI.hpp>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/gpu_devices.h"
+#include "cpu/read_bandwidth.h"
+#include "machine_info.h"
+#include "mjolnir/decode.h"
+
+namespace mjolnir::tools {
+
+namespace {
+
+std::string join(const std::vector<std::string>& items, const char* separator) {
+  std::string text;
+  for (const std::string& item : items) {
+    if (!text.empty()) text += separator;
+    text += item;
+  }
+  return text;
+}
+
+}  // namespace
+
+CLI::App* add_info_command(CLI::App& app) {
+  return app.add_subcommand("info", "Print the version, build options, CPU and backends");
+}
+
+int run_info() {
+  std::printf("mjolnir %s\n", MJOLNIR_VERSION_STRING);
+  std::printf("build: %s, compiler %s, sanitizers %s, CUDA %s\n", MJOLNIR_BUILD_TYPE, __VERSION__,
+              MJOLNIR_SANITIZE ? "address+undefined" : "off",
+              MJOLNIR_HAS_CUDA ? "on (MJOLNIR_CUDA)" : "off");
+  std::printf("SIMD targets: compiled %s; dispatched here: %s\n",
+              join(cpu::compiled_simd_targets(), " ").c_str(),
+              cpu::dispatched_simd_target().c_str());
+  std::printf("CPU: %s, %d hardware threads, last-level cache %s\n", cpu_model_name().c_str(),
+              hardware_threads(), format_bytes(cpu::last_level_cache_bytes()).c_str());
+
+  std::printf("backends:");
+  for (const std::string& name : compiled_backends()) {
+    const std::string reason = make_backend(name)->unavailable_reason();
+    std::printf(" %s%s%s%s", name.c_str(), reason.empty() ? "" : " (unavailable: ", reason.c_str(),
+                reason.empty() ? "" : ")");
+  }
+  std::printf("\n");
+  std::string why_none;
+  const std::vector<GpuDevice> gpus = cuda_devices(&why_none);
+  if (gpus.empty()) std::printf("GPUs: 0 (%s)\n", why_none.c_str());
+  for (std::size_t i = 0; i < gpus.size(); ++i) {
+    const GpuDevice& gpu = gpus[i];
+    std::printf("GPU %zu: %s, sm_%d%d, %d SMs, %.1f GiB\n", i, gpu.name.c_str(), gpu.sm_major,
+                gpu.sm_minor, gpu.multiprocessors, gpu.memory_gib);
+  }
+  return 0;
+}
+
+}  // namespace mjolnir::tools

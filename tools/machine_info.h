@@ -1,0 +1,19 @@
+// What the CLI reports about the machine it runs on (info, bench's JSON) and the memory the bench
+// may use for its cache copies.
+#pragma once
+
+#include <cstddef>
+#include <string>
+
+namespace mjolnir::tools {
+
+// The CPU's model name from /proc/cpuinfo ("AMD EPYC 9654 96-Core Processor"), or "unknown".
+std::string cpu_model_name();
+// Hardware threads this process may run on (at least 1).
+int hardware_threads();
+// MemAvailable from /proc/meminfo in bytes; 0 when it cannot be read.
+std::size_t available_memory_bytes();
+// "1.5 GiB", "128.0 MiB", "512 B": sizes for people.
+std::string format_bytes(double bytes);
+
+}  // namespace mjolnir::tools
