@@ -1,4 +1,5 @@
-// The CPU backend: work items on a thread pool, then the LSE merge of split sequences.
+// The CPU backend: the plan's items grouped into units (work_units.h) on a thread pool, then the
+// LSE merges of token parts and of split sequences.
 #include "cpu/cpu_backend.h"
 
 #include <algorithm>
@@ -6,8 +7,9 @@
 #include <limits>
 #include <mutex>
 
-#include "cpu/attention_item.h"
+#include "cpu/attention_kernel.h"
 #include "cpu/thread_pool.h"
+#include "cpu/work_units.h"
 
 namespace mjolnir::cpu {
 
@@ -50,6 +52,10 @@ void merge_row(const float* partial_o, const float* partial_lse, std::size_t o_s
   if (lse) *lse = max_lse + std::log(weight_sum);
 }
 
+// Below this much merge work (floats of O rows), merging on the calling thread is faster than
+// waking the others.
+constexpr std::int64_t kParallelMergeFloats = 1 << 16;
+
 class CpuBackend final : public Backend {
  public:
   explicit CpuBackend(int threads)
@@ -60,6 +66,16 @@ class CpuBackend final : public Backend {
     return {};
   }
   int workers() const override { return pool_.size(); }
+
+  std::size_t workspace_bytes(const Plan& plan, const CacheGeometry& geometry,
+                              const DecodeParams& params) const override {
+    // The plan's split partials, then the token parts of chunks cut for the threads.
+    const int g = params.num_q_heads / geometry.num_kv_heads;
+    const PartialLayout parts{geometry.num_kv_heads, params.q_len * g, geometry.head_dim};
+    return Backend::workspace_bytes(plan, geometry, params) +
+           (parts.o_floats(max_part_slots(pool_.size())) +
+            parts.lse_floats(max_part_slots(pool_.size()))) * sizeof(float);
+  }
 
   void run(const DecodeArgs& args, const Plan& plan,
            std::span<std::byte> workspace) const override {
@@ -73,33 +89,90 @@ class CpuBackend final : public Backend {
     const int slots = plan.capacity.max_seqs * plan.capacity.max_splits;
     float* partial_o = reinterpret_cast<float*>(workspace.data());
     float* partial_lse = partial_o + layout.o_floats(slots);
+    // Token parts: the same layout, slot = part slot, head = the item's KV head.
+    float* part_o = partial_lse + layout.lse_floats(slots);
+    float* part_lse = part_o + layout.o_floats(max_part_slots(pool_.size()));
     const RowAddress out{args, g};
 
-    pool_.parallel_for(plan.num_items, [&](std::int64_t index, int worker) {
-      const WorkItem& item = plan.items[index];
-      ItemScratch& s = scratch_[worker];
-      run_attention_item(args, plan, item, s);
-      for (int r = 0; r < rows; ++r) {
-        const float* src = &s.o[std::size_t(r) * d];
-        if (item.partial_slot < 0) {
-          std::copy(src, src + d, out.o(item.seq, item.kv_head, r));
-          if (float* lse = out.lse(item.seq, item.kv_head, r)) *lse = s.lse[r];
-        } else {
-          std::copy(src, src + d, partial_o + layout.o_offset(item.partial_slot, item.kv_head, r));
-          partial_lse[layout.lse_offset(item.partial_slot, item.kv_head, r)] = s.lse[r];
+    // Where item `i`'s row r goes: the output, or its split partial slot.
+    const auto destination = [&](const WorkItem& item, int r, float*& o, float*& lse) {
+      if (item.partial_slot < 0) {
+        o = out.o(item.seq, item.kv_head, r);
+        lse = out.lse(item.seq, item.kv_head, r);
+      } else {
+        o = partial_o + layout.o_offset(item.partial_slot, item.kv_head, r);
+        lse = partial_lse + layout.lse_offset(item.partial_slot, item.kv_head, r);
+      }
+    };
+
+    make_units(plan, pool_.size(), args.params.p_mode == PMode::fp32, schedule_);
+    pool_.parallel_for(std::int64_t(schedule_.units.size()), [&](std::int64_t index, int worker) {
+      const WorkUnit& unit = schedule_.units[index];
+      WorkerScratch& s = scratch_[worker];
+      s.items.assign(plan.items.begin() + unit.first_item,
+                     plan.items.begin() + unit.first_item + unit.heads);
+      s.o_rows.resize(std::size_t(rows) * unit.heads);
+      s.lse_rows.resize(std::size_t(rows) * unit.heads);
+      s.outs.resize(unit.heads);
+      for (int h = 0; h < unit.heads; ++h) {
+        WorkItem& item = s.items[h];
+        item.kv_begin = unit.kv_begin;
+        item.kv_end = unit.kv_end;
+        float** o_rows = &s.o_rows[std::size_t(h) * rows];
+        float** lse_rows = &s.lse_rows[std::size_t(h) * rows];
+        for (int r = 0; r < rows; ++r) {
+          if (unit.part_slot < 0) {
+            destination(item, r, o_rows[r], lse_rows[r]);
+          } else {
+            o_rows[r] = part_o + layout.o_offset(unit.part_slot, item.kv_head, r);
+            lse_rows[r] = part_lse + layout.lse_offset(unit.part_slot, item.kv_head, r);
+          }
         }
+        s.outs[h] = ItemOutput{o_rows, lse_rows};
+      }
+      run_work_unit(args, plan, s.items.data(), unit.heads, s.kernel, s.outs.data());
+    });
+
+    // Token parts of cut chunks merge into their items' destinations: one task per KV head.
+    std::vector<std::pair<int, int>>& tasks = tasks_;
+    tasks.clear();
+    for (int m = 0; m < int(schedule_.merges.size()); ++m) {
+      for (int h = 0; h < schedule_.merges[m].heads; ++h) tasks.emplace_back(m, h);
+    }
+    // Merges are small: threads are woken for them only when there is enough to share.
+    const std::int64_t merge_floats = std::int64_t(rows) * (d + 1);
+    const auto run_merges = [&](const auto& merge) {
+      if (std::int64_t(tasks.size()) * merge_floats < kParallelMergeFloats) {
+        for (std::size_t i = 0; i < tasks.size(); ++i) merge(std::int64_t(i), 0);
+      } else {
+        pool_.parallel_for(std::int64_t(tasks.size()), merge);
+      }
+    };
+    run_merges([&](std::int64_t index, int) {
+      const auto [m, h] = tasks[index];
+      const PartMerge& merge = schedule_.merges[m];
+      const WorkItem& item = plan.items[merge.first_item + h];
+      for (int r = 0; r < rows; ++r) {
+        float *o, *lse;
+        destination(item, r, o, lse);
+        float lse_value;
+        merge_row(part_o + layout.o_offset(merge.first_slot, item.kv_head, r),
+                  part_lse + layout.lse_offset(merge.first_slot, item.kv_head, r),
+                  layout.o_offset(1, 0, 0), layout.lse_offset(1, 0, 0), merge.parts, d, o,
+                  &lse_value);
+        if (lse != nullptr) *lse = lse_value;
       }
     });
 
-    // Merge: one task per (split sequence, KV head).
-    std::vector<std::pair<int, int>> merges;
+    // The plan's split sequences: one task per (sequence, KV head).
+    tasks.clear();
     for (int b = 0; b < plan.num_seqs; ++b) {
       if (plan.num_splits[b] > 1) {
-        for (int h = 0; h < hk; ++h) merges.emplace_back(b, h);
+        for (int h = 0; h < hk; ++h) tasks.emplace_back(b, h);
       }
     }
-    pool_.parallel_for(std::int64_t(merges.size()), [&](std::int64_t index, int) {
-      const auto [b, h] = merges[index];
+    run_merges([&](std::int64_t index, int) {
+      const auto [b, h] = tasks[index];
       const int first = plan.first_partial[b];
       for (int r = 0; r < rows; ++r) {
         merge_row(partial_o + layout.o_offset(first, h, r),
@@ -111,8 +184,16 @@ class CpuBackend final : public Backend {
   }
 
  private:
+  struct WorkerScratch {
+    KernelScratch kernel;
+    std::vector<WorkItem> items;  // the unit's items, with the unit's token range
+    std::vector<float*> o_rows, lse_rows;
+    std::vector<ItemOutput> outs;
+  };
   mutable ThreadPool pool_;
-  mutable std::vector<ItemScratch> scratch_;
+  mutable std::vector<WorkerScratch> scratch_;
+  mutable UnitSchedule schedule_;
+  mutable std::vector<std::pair<int, int>> tasks_;
   mutable std::mutex run_mutex_;
 };
 

@@ -1,8 +1,29 @@
 #include "cpu/thread_pool.h"
 
-#include <atomic>
+#include <algorithm>
+#include <chrono>
 
 namespace mjolnir::cpu {
+
+namespace {
+
+// Spins while `busy()` and the spin budget lasts; true when busy() turned false.
+template <class Busy>
+bool spin_while(Busy busy) {
+  using clock = std::chrono::steady_clock;
+  const auto deadline = clock::now() + std::chrono::microseconds(ThreadPool::kSpinMicros);
+  for (int i = 0;; ++i) {
+    if (!busy()) return true;
+    if ((i & 63) == 63 && clock::now() > deadline) return false;
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    asm volatile("yield");
+#endif
+  }
+}
+
+}  // namespace
 
 int hardware_threads() { return std::max(1u, std::thread::hardware_concurrency()); }
 
@@ -13,7 +34,7 @@ ThreadPool::ThreadPool(int threads) : threads_(std::max(1, threads)) {
 ThreadPool::~ThreadPool() {
   {
     std::lock_guard lock(mutex_);
-    stop_ = true;
+    stop_.store(true);
   }
   wake_.notify_all();
   for (std::thread& t : workers_) t.join();
@@ -26,7 +47,7 @@ void ThreadPool::run_share(int worker) {
     try {
       (*fn_)(i, worker);
     } catch (...) {
-      std::lock_guard lock(mutex_);
+      std::lock_guard lock(error_mutex_);
       if (!error_) error_ = std::current_exception();
       next_.store(count_, std::memory_order_relaxed);  // stop handing out work
     }
@@ -36,16 +57,19 @@ void ThreadPool::run_share(int worker) {
 void ThreadPool::worker_loop(int worker) {
   std::uint64_t seen = 0;
   for (;;) {
-    {
+    const auto idle = [&] {
+      return generation_.load(std::memory_order_acquire) == seen && !stop_.load();
+    };
+    if (!spin_while(idle)) {
       std::unique_lock lock(mutex_);
-      wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
-      if (stop_) return;
-      seen = generation_;
+      wake_.wait(lock, [&] { return !idle(); });
     }
+    if (stop_.load()) return;
+    seen = generation_.load(std::memory_order_acquire);
     run_share(worker);
-    {
-      std::lock_guard lock(mutex_);
-      if (--active_ == 0) done_.notify_one();
+    if (active_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      std::lock_guard lock(mutex_);  // the caller may be between its check and its wait
+      done_.notify_one();
     }
   }
 }
@@ -58,19 +82,22 @@ void ThreadPool::parallel_for(std::int64_t count,
     for (std::int64_t i = 0; i < count; ++i) fn(i, 0);
     return;
   }
+  fn_ = &fn;
+  count_ = count;
+  next_.store(0, std::memory_order_relaxed);
+  error_ = nullptr;
+  active_.store(threads_ - 1, std::memory_order_relaxed);
   {
-    std::lock_guard lock(mutex_);
-    fn_ = &fn;
-    count_ = count;
-    next_.store(0, std::memory_order_relaxed);
-    error_ = nullptr;
-    active_ = threads_ - 1;
-    ++generation_;
+    std::lock_guard lock(mutex_);  // sleeping workers check the generation under it
+    generation_.fetch_add(1, std::memory_order_release);
   }
   wake_.notify_all();
   run_share(0);
-  std::unique_lock lock(mutex_);
-  done_.wait(lock, [&] { return active_ == 0; });
+  const auto working = [&] { return active_.load(std::memory_order_acquire) != 0; };
+  if (!spin_while(working)) {
+    std::unique_lock lock(mutex_);
+    done_.wait(lock, [&] { return !working(); });
+  }
   if (error_) std::rethrow_exception(error_);
 }
 

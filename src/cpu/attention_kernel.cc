@@ -1,0 +1,529 @@
+// The CPU decode-attention kernel (see attention_kernel.h and docs/cpu-performance.md), compiled
+// once per Highway target by foreach_target.h and dispatched at run time.
+//
+// A unit is the work items of one chunk for one or more KV heads (work_units.h): for each head,
+// the R = q_len * g query rows against KV tokens [kv_begin, kv_end), in tiles of
+// T = plan.tile_tokens tokens (the online-softmax tile, as the emulator runs it). Per tile:
+//   1. For each head, Q . K: K rows are decoded in registers (kv_decode-inl.h: the format's
+//      channel order and a power-of-two scale, both folded into Q) and fed to 4-row x 2-key
+//      register blocks of fp32 FMAs (kernel_blocks-inl.h): each K byte is read once for all R
+//      rows. Then the online softmax of the tile (online_softmax-inl.h).
+//   2. For each head, P . V: V rows decoded the same way, accumulated by 4-row x 2-vector blocks.
+// The tile's V rows are prefetched while its scores compute, and the next tile's K rows while
+// its values accumulate (tile_prefetcher.h): pages are scattered through the block table, so no
+// hardware prefetcher can follow a sequence from one page to the next.
+//
+// Numerics. With P in fp32 (the CPU's mode) scores use FMAs in any order and exp2 is a fast
+// polynomial: they differ from the emulator by fp32 rounding only. With P rounded to bf16 or
+// fp8, a score one ulp off could flip a P code, so there the scores are computed in the
+// emulator's exact order from true decoded values (exact_scores-inl.h) and exp2 is glibc's exp2f
+// bit for bit (exp2-inl.h): the P codes match the emulator's exactly.
+#include "cpu/simd_targets.h"
+
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "cpu/attention_kernel.cc"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+// Must come after foreach_target.h.
+#include "cpu/exact_scores-inl.h"
+#include "cpu/kernel_blocks-inl.h"
+#include "cpu/kv_decode-inl.h"
+#include "cpu/minifloat_simd-inl.h"
+#include "cpu/online_softmax-inl.h"
+#include "hwy/highway.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <numbers>
+#include <type_traits>
+
+#include "core/minifloat.h"
+#include "cpu/attention_kernel.h"
+#include "cpu/item_context.h"
+#include "cpu/tile_prefetcher.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace mjolnir::cpu::HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+#if MJOLNIR_PORTABLE_TARGET
+
+// Highway's fallback target: the scalar portable path item by item, then copy its rows out.
+void RunWorkUnit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, int heads,
+                 KernelScratch& scratch, const ItemOutput* outs) {
+  const int d = args.cache.geometry.head_dim;
+  const int rows = args.params.q_len * (args.params.num_q_heads / args.cache.geometry.num_kv_heads);
+  for (int h = 0; h < heads; ++h) {
+    run_attention_item(args, plan, items[h], scratch.portable);
+    for (int r = 0; r < rows; ++r) {
+      std::copy_n(&scratch.portable.o[std::size_t(r) * d], d, outs[h].o[r]);
+      if (outs[h].lse[r] != nullptr) *outs[h].lse[r] = scratch.portable.lse[r];
+    }
+  }
+}
+
+#else  // SIMD targets
+
+using FloatTag = WideFloatTag;
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// Keys decoded per pass of the exact path: their fp32 rows (16 x D floats, 8 KiB at D = 128)
+// stay in L1 while every query row uses them.
+constexpr int kSubTokens = 16;
+// Largest power of two folded into Q or P to bring raw decoded values back to a normal range
+// (kv_decode-inl.h): big enough for every format, small enough that Q up to 2^25 and P up to 256
+// stay finite.
+constexpr int kMaxFoldExp = 100;
+
+enum Slot : int {
+  kQNatural, kQKernel, kKeys, kKeysNatural, kScores, kProbs, kAcc, kRowState, kRowOffsets
+};
+
+// --- KV row addressing and prefetch ----------------------------------------------------------
+
+// Start of token `pos`'s slot in its page (head 0, K): page * stride.page + in_page * stride.token,
+// for the `count` tokens from `first`. A head's K or V row adds head * stride.head + kv * stride.kv.
+void TokenBases(const ItemContext& it, const std::int32_t* pages, int first, int count,
+                const std::uint8_t** bases) {
+  const KvCacheView& cache = it.args->cache;
+  const int page_size = cache.geometry.page_size;
+  const auto* data = reinterpret_cast<const std::uint8_t*>(cache.data);
+  for (int i = 0; i < count;) {
+    const int pos = first + i;
+    const int in_page = pos % page_size;
+    const int run = std::min(count - i, page_size - in_page);
+    const std::uint8_t* row = data + std::int64_t(pages[pos / page_size]) * cache.strides.page +
+                              std::int64_t(in_page) * cache.strides.token;
+    for (int j = 0; j < run; ++j) bases[i + j] = row + std::int64_t(j) * cache.strides.token;
+    i += run;
+  }
+}
+
+// --- Q ------------------------------------------------------------------------------------------
+
+// Step 1 of the contract for all R rows, exactly as the emulator does it: per-channel K scales
+// folded in, then rounded per Q mode. Writes qn [R][D] in natural channel order and returns the
+// score scale sq * k_scale * softmax_scale * log2(e).
+float PrepareQuery(const ItemContext& it, float* HWY_RESTRICT qn) {
+  const DecodeArgs& args = *it.args;
+  const KvCacheView& cache = args.cache;
+  const FloatTag df;
+  const std::size_t n = hn::Lanes(df);
+  const int d = it.d;
+  const bool channel_scales = cache.granularity == ScaleGranularity::channel;
+  const float* ks = channel_scales ? &cache.k_scale[std::size_t(it.item->kv_head) * d] : nullptr;
+  auto amax = hn::Zero(df);
+  for (int t = 0; t < it.q_len; ++t) {
+    const std::int64_t token = std::int64_t(it.item->seq) * it.q_len + t;
+    for (int j = 0; j < it.g; ++j) {
+      const float* q = args.q.data + token * args.q.token_stride +
+                       std::int64_t(it.item->kv_head * it.g + j) * args.q.head_stride;
+      float* out = qn + std::size_t(t * it.g + j) * d;
+      for (int c = 0; c < d; c += int(n)) {
+        auto v = hn::LoadU(df, q + c);
+        if (channel_scales) v = hn::Mul(v, hn::LoadU(df, ks + c));
+        amax = hn::Max(amax, hn::Abs(v));
+        hn::Store(v, df, out + c);
+      }
+    }
+  }
+  const std::size_t total = std::size_t(it.rows) * d;
+  float sq = 1.0f;
+  if (args.params.q_mode == QMode::bf16) {
+    for (std::size_t i = 0; i < total; i += n) {
+      hn::Store(RoundToMinifloat<kBf16Spec>(df, hn::Load(df, qn + i)), df, qn + i);
+    }
+  } else if (args.params.q_mode == QMode::fp8) {
+    const float max_abs = hn::GetLane(hn::MaxOfLanes(df, amax));
+    if (max_abs > 0.0f) sq = max_abs / 448.0f;
+    const auto divisor = hn::Set(df, sq);
+    for (std::size_t i = 0; i < total; i += n) {
+      const auto x = hn::Div(hn::Load(df, qn + i), divisor);
+      hn::Store(RoundToMinifloat<kE4M3Spec>(df, x), df, qn + i);
+    }
+  }
+  const float k_outer = channel_scales ? 1.0f : cache.k_scale_at(it.item->kv_head, 0);
+  return sq * k_outer * args.params.effective_softmax_scale(d) * std::numbers::log2e_v<float>;
+}
+
+// Largest |q| of the prepared rows.
+float MaxAbs(const float* HWY_RESTRICT x, std::size_t count) {
+  const FloatTag df;
+  auto m = hn::Zero(df);
+  for (std::size_t i = 0; i < count; i += hn::Lanes(df)) m = hn::Max(m, hn::Abs(hn::Load(df, x + i)));
+  return hn::GetLane(hn::MaxOfLanes(df, m));
+}
+
+// --- scores -------------------------------------------------------------------------------------
+
+// Fast path: scores[r][first + t] = scale * q_r . k_t for the count K rows at bases[t] + offset,
+// with kernel-ready Q [R][D] (the decoder's channel order, folded power of two). The K rows of
+// the next tile are prefetched along the way, `prefetch_rows` rows per pair of keys.
+template <class Dec>
+void ScoresFast(const ItemContext& it, const float* HWY_RESTRICT q,
+                const std::uint8_t* const* bases, std::int64_t offset, int count, float scale,
+                float* HWY_RESTRICT scores, std::size_t stride, TilePrefetcher& prefetch,
+                int prefetch_rows) {
+  const std::size_t d = std::size_t(it.d);
+  const Float4Tag d4;
+  const std::size_t chunks = d / ChunkChannels<Dec>();
+  const auto scale4 = hn::Set(d4, scale);
+  alignas(16) float s0[4], s1[4];
+  for (int t = 0; t < count; t += 2) {
+    prefetch.Issue(prefetch_rows);
+    const bool pair = t + 1 < count;
+    const std::uint8_t* k0 = bases[t] + offset;
+    const std::uint8_t* k1 = pair ? bases[t + 1] + offset : k0;
+    int r = 0;
+    for (; r + 4 <= it.rows; r += 4) {
+      Float4 a0, a1;
+      ScoreBlock4x2<Dec>(q + r * it.ld, it.ld, d, k0, k1, 0, chunks, a0, a1);
+      hn::Store(hn::Mul(a0, scale4), d4, s0);
+      hn::Store(hn::Mul(a1, scale4), d4, s1);
+      for (int j = 0; j < 4; ++j) {
+        scores[(r + j) * stride + t] = s0[j];
+        if (pair) scores[(r + j) * stride + t + 1] = s1[j];
+      }
+    }
+    for (; r < it.rows; ++r) {
+      ScoreBlock1x2<Dec>(q + r * it.ld, d, k0, k1, s0, s1);
+      scores[r * stride + t] = s0[0] * scale;
+      if (pair) scores[r * stride + t + 1] = s1[0] * scale;
+    }
+  }
+}
+
+// --- P . V ---------------------------------------------------------------------------------------
+
+// The rows of the next tile are prefetched along the way, prefetch_rows per pass over the tokens.
+// acc [R][ld] (decoder channel order) = alpha * acc + P [R][0, count) . the count V rows at
+// bases[t] + offset; alpha null: no rescale.
+template <class Dec>
+void AccumulateValues(const ItemContext& it, const float* HWY_RESTRICT probs, std::size_t stride,
+                      const std::uint8_t* const* bases, std::int64_t offset, int count,
+                      float* HWY_RESTRICT acc, const float* alpha, TilePrefetcher& prefetch,
+                      int prefetch_rows) {
+  const std::size_t d = std::size_t(it.d);
+  const std::size_t vectors = d / hn::Lanes(typename Dec::Tag());
+  // Vector pairs (v, v + 1): within one chunk (kJ = v mod kVectors) or two one-vector chunks.
+  const auto each_pair = [&](auto&& block) {
+    for (std::size_t v = 0; v < vectors; v += 2) {
+      prefetch.Issue(prefetch_rows);
+      const std::size_t c = v / Dec::kVectors;
+      if constexpr (Dec::kVectors == 4) {
+        if (v % 4 == 2) {
+          block(v, c, std::integral_constant<std::size_t, 2>());
+          continue;
+        }
+      }
+      block(v, c, std::integral_constant<std::size_t, 0>());
+    }
+  };
+  int r = 0;
+  for (; r + 4 <= it.rows; r += 4) {
+    const float* p = probs + std::size_t(r) * stride;
+    float* a = acc + r * it.ld;
+    const float* al = alpha != nullptr ? alpha + r : nullptr;
+    each_pair([&](std::size_t v, std::size_t c, auto j) HWY_ATTR {
+      ValueBlock4x2<Dec, decltype(j)::value>(p, stride, bases, offset, count, d, a, it.ld, al, v,
+                                             c);
+    });
+  }
+  for (; r < it.rows; ++r) {
+    const float* p = probs + std::size_t(r) * stride;
+    float* a = acc + r * it.ld;
+    const float* al = alpha != nullptr ? alpha + r : nullptr;
+    each_pair([&](std::size_t v, std::size_t c, auto j) HWY_ATTR {
+      ValueBlock1x2<Dec, decltype(j)::value>(p, bases, offset, count, d, a, al, v, c);
+    });
+  }
+}
+
+// --- the unit ---------------------------------------------------------------------------------
+
+// One KV head of a unit: its prepared Q and running softmax state.
+struct HeadState {
+  ItemContext it;
+  float* q;             // kernel-ready Q: [R][D] (fast) or [D][rows_padded] (exact)
+  float kernel_scale;   // turns q . k as computed into log2-scaled scores
+  float* acc;           // [R][D] O accumulator, decoder channel order
+  RowState state;       // m, l, alpha: [R] each
+  std::int64_t k_offset, v_offset;  // head's K and V rows from a token's base
+};
+
+// The work items of one chunk (same sequence and token range) for `heads` KV heads, tile by
+// tile: every tile reads the rows of all the unit's heads, so a page's K and V (for all heads
+// in the unit) are read at once, as contiguous memory in every layout.
+template <class Decoder>
+void RunUnit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, int heads,
+             KernelScratch& scratch, const ItemOutput* outs) {
+  const KvCacheView& cache = args.cache;
+  const CacheGeometry& geo = cache.geometry;
+  const FloatTag df;
+  const int d = geo.head_dim;
+  const int g = args.params.num_q_heads / geo.num_kv_heads;
+  const int rows = args.params.q_len * g;
+  const int tile = plan.tile_tokens;
+  const bool exact = args.params.p_mode != PMode::fp32;
+  static const bool fused = baseline_fuses_multiply_add();
+  const std::size_t stride = (std::size_t(tile) + 15) / 16 * 16 + 16;  // scores / probs rows
+  const std::size_t ld = std::size_t(d) + 16;
+  const std::int32_t* pages =
+      args.batch.block_table.data() + std::size_t(items[0].seq) * args.batch.max_pages_per_seq;
+
+  // Channel order of the decoded rows, and whether it is the natural one.
+  std::int32_t* channel_of = scratch.ints(std::size_t(d));
+  ChannelOrder<Decoder>(std::size_t(d), channel_of);
+  bool natural = true;
+  for (int i = 0; i < d; ++i) natural &= channel_of[i] == i;
+
+  const hn::CappedTag<float, 4> de4;
+  const std::size_t exact_lanes = rows <= 4 ? hn::Lanes(de4) : hn::Lanes(df);
+  const std::size_t rows_padded = (std::size_t(rows) + exact_lanes - 1) / exact_lanes * exact_lanes;
+  const std::size_t q_floats = exact ? rows_padded * d : std::size_t(rows) * ld;
+  // P . V folds 2^p_exp into P: p * 2^p_exp . raw v (= v 2^kRawExp).
+  const int p_exp = std::min(-Decoder::kRawExp, kMaxFoldExp);
+
+  float* qn = scratch.floats(kQNatural, std::size_t(rows) * d);
+  float* q_all = scratch.floats(kQKernel, q_floats * heads);
+  float* acc_all = scratch.floats(kAcc, std::size_t(rows) * ld * heads);
+  float* state_all = scratch.floats(kRowState, 3 * std::size_t(rows) * heads);
+  static_assert(std::is_trivially_destructible_v<HeadState>);
+  HeadState* head_state = static_cast<HeadState*>(scratch.bytes(sizeof(HeadState) * heads));
+  std::uninitialized_default_construct_n(head_state, heads);
+  for (int h = 0; h < heads; ++h) {
+    HeadState& hs = head_state[h];
+    const WorkItem& item = items[h];
+    hs.it = ItemContext{&args, &item, d, g, rows, args.params.q_len, tile,
+                        args.batch.seq_lens[item.seq], args.params.causal, args.params.p_mode,
+                        geo.row_bytes(), ld};
+    hs.k_offset = std::int64_t(item.kv_head) * cache.strides.head;
+    hs.v_offset = hs.k_offset + cache.strides.kv;
+    hs.q = q_all + q_floats * h;
+    hs.acc = acc_all + std::size_t(rows) * ld * h;
+    float* st = state_all + 3 * std::size_t(rows) * h;
+    hs.state = RowState{st, st + rows, st + 2 * rows};
+    std::fill(hs.state.m, hs.state.m + rows, kNegInf);
+    std::fill(hs.state.l, hs.state.l + rows, 0.0f);
+    std::fill(hs.acc, hs.acc + std::size_t(rows) * ld, 0.0f);
+
+    const float score_scale = PrepareQuery(hs.it, qn);
+    if (exact) {  // true values, transposed: lanes are query rows
+      std::fill(hs.q, hs.q + rows_padded * d, 0.0f);
+      for (int r = 0; r < rows; ++r) {
+        for (int c = 0; c < d; ++c) hs.q[std::size_t(c) * rows_padded + r] = qn[std::size_t(r) * d + c];
+      }
+      hs.kernel_scale = score_scale;
+    } else {  // decoder channel order, times 2^q_exp to meet raw k (= k 2^kRawExp)
+      int q_top = 0;
+      std::frexp(MaxAbs(qn, std::size_t(rows) * d), &q_top);  // max |q| < 2^q_top
+      const int q_exp = std::min({-Decoder::kRawExp, kMaxFoldExp, 125 - q_top});
+      const float fold = std::ldexp(1.0f, q_exp);
+      for (int r = 0; r < rows; ++r) {
+        const float* src = qn + std::size_t(r) * d;
+        float* dst = hs.q + r * ld;
+        if (natural) {
+          const auto vf = hn::Set(df, fold);
+          for (int c = 0; c < d; c += int(hn::Lanes(df))) hn::Store(hn::Mul(hn::Load(df, src + c), vf), df, dst + c);
+        } else {
+          for (int i = 0; i < d; ++i) dst[i] = src[channel_of[i]] * fold;
+        }
+      }
+      hs.kernel_scale = std::ldexp(score_scale, -(q_exp + Decoder::kRawExp));
+    }
+  }
+
+  float* keys = exact ? scratch.floats(kKeys, std::size_t(d)) : nullptr;
+  float* keys_natural = exact ? scratch.floats(kKeysNatural, std::size_t(kSubTokens) * d) : nullptr;
+  float* scores = scratch.floats(kScores, std::size_t(rows) * stride);
+  float* probs_all = scratch.floats(kProbs, std::size_t(rows) * stride * heads);
+  // Token bases of this tile and the next, which is prefetched while this one computes.
+  const std::uint8_t** bases = scratch.row_pointers(2 * std::size_t(tile));
+  const std::uint8_t** next_bases = bases + tile;
+  const float raw_k_to_true = std::ldexp(1.0f, -Decoder::kRawExp);
+
+  // K and V row offsets of every head of the unit, for the prefetcher.
+  std::int64_t* k_offsets = reinterpret_cast<std::int64_t*>(scratch.floats(kRowOffsets, 4 * heads));
+  std::int64_t* v_offsets = k_offsets + heads;
+  for (int h = 0; h < heads; ++h) {
+    k_offsets[h] = head_state[h].k_offset;
+    v_offsets[h] = head_state[h].v_offset;
+  }
+  TilePrefetcher prefetcher;
+
+  const int begin = items[0].kv_begin, end = items[0].kv_end;
+  const auto tile_bases = [&](int first, const std::uint8_t** out) {
+    const int n = first < end ? std::min(tile, end - first) : 0;
+    if (n > 0) TokenBases(head_state[0].it, pages, first, n, out);
+    return n;
+  };
+  tile_bases(begin, bases);
+  // The first tile's K rows, before anything else is in flight.
+  prefetcher.Reset(bases, std::min(tile, end - begin), k_offsets, heads, head_state[0].it.row_bytes);
+  prefetcher.Issue(prefetcher.rows());
+  for (int first = begin; first < end; first += tile) {
+    const int count = std::min(tile, end - first);
+    const int next_count = tile_bases(first + tile, next_bases);
+    // While the scores of this tile compute, its V rows are prefetched; while its values
+    // accumulate, the next tile's K rows are. Each phase's prefetch is one phase ahead, and its
+    // rows (all heads of a tile) fit in L2 beside the rows being used.
+    prefetcher.Reset(bases, count, v_offsets, heads, head_state[0].it.row_bytes);
+    const int pairs = heads * ((count + 1) / 2);
+    int prefetch_rows = (prefetcher.rows() + pairs - 1) / pairs;
+
+    // 1 and 2: scores and softmax, head by head; each head's P stays for step 3.
+    for (int h = 0; h < heads; ++h) {
+      HeadState& hs = head_state[h];
+      const ItemContext& it = hs.it;
+      float* probs = probs_all + std::size_t(h) * rows * stride;
+      if (!exact) {
+        ScoresFast<Decoder>(it, hs.q, bases, hs.k_offset, count, hs.kernel_scale, scores, stride,
+                            prefetcher, prefetch_rows);
+      } else {
+        for (int t0 = 0; t0 < count; t0 += kSubTokens) {
+          const int sub = std::min(kSubTokens, count - t0);
+          // True values in natural channel order for the emulator's summation order.
+          for (int t = 0; t < sub; ++t) {
+            prefetcher.Issue((prefetch_rows + 1) / 2);
+            DecodeRow<Decoder>(bases[t0 + t] + hs.k_offset, d, keys);
+            float* dst = keys_natural + std::size_t(t) * d;
+            if (natural) {
+              const auto f = hn::Set(df, raw_k_to_true);
+              for (int c = 0; c < d; c += int(hn::Lanes(df))) {
+                hn::Store(hn::Mul(hn::Load(df, keys + c), f), df, dst + c);
+              }
+            } else {
+              for (int i = 0; i < d; ++i) dst[channel_of[i]] = keys[i] * raw_k_to_true;
+            }
+          }
+          const auto scores_exact = [&](auto de, auto fused_tag) {
+            ScoresExactT<decltype(fused_tag)::value>(de, it, hs.q, rows_padded, keys_natural, sub,
+                                                     hs.kernel_scale, scores, stride, t0);
+          };
+          if (rows <= 4) {
+            fused ? scores_exact(de4, std::true_type()) : scores_exact(de4, std::false_type());
+          } else {
+            fused ? scores_exact(df, std::true_type()) : scores_exact(df, std::false_type());
+          }
+        }
+      }
+      SoftmaxTile(it, scores, probs, stride, first, count, p_exp, hs.state);
+    }
+
+    // 3. P . V, head by head.
+    prefetcher.Reset(next_bases, next_count, k_offsets, heads, head_state[0].it.row_bytes);
+    const int passes = heads * int(d / hn::Lanes(typename Decoder::Tag()) / 2) * ((rows + 3) / 4);
+    prefetch_rows = (prefetcher.rows() + passes - 1) / passes;
+    for (int h = 0; h < heads; ++h) {
+      HeadState& hs = head_state[h];
+      AccumulateValues<Decoder>(hs.it, probs_all + std::size_t(h) * rows * stride, stride, bases,
+                                hs.v_offset, count, hs.acc, hs.state.alpha, prefetcher,
+                                prefetch_rows);
+    }
+    std::swap(bases, next_bases);
+  }
+
+  // Step 5: o = acc * v_scale / l, undoing the fold 2^(p_exp + kRawExp) and the channel order.
+  const bool channel_scales = cache.granularity == ScaleGranularity::channel;
+  const float p_mode_scale = args.params.p_mode == PMode::fp8 ? 256.0f : 1.0f;
+  const float unfold = std::ldexp(1.0f, -(p_exp + Decoder::kRawExp));
+  for (int h = 0; h < heads; ++h) {
+    const HeadState& hs = head_state[h];
+    const int kv_head = items[h].kv_head;
+    for (int r = 0; r < rows; ++r) {
+      float* o = outs[h].o[r];
+      float* lse = outs[h].lse[r];
+      const float l = hs.state.l[r];
+      if (l == 0.0f) {
+        std::fill(o, o + d, 0.0f);
+        if (lse != nullptr) *lse = kNegInf;
+        continue;
+      }
+      const float inv_l = 1.0f / (l * p_mode_scale);
+      const float* a = hs.acc + r * ld;
+      if (channel_scales) {
+        const float* vs = &cache.v_scale[std::size_t(kv_head) * d];
+        const float f = inv_l * unfold;
+        for (int i = 0; i < d; ++i) o[channel_of[i]] = a[i] * (vs[channel_of[i]] * f);
+      } else {
+        const float f = cache.v_scale_at(kv_head, 0) * inv_l * unfold;
+        if (natural) {
+          const auto vf = hn::Set(df, f);
+          for (int c = 0; c < d; c += int(hn::Lanes(df))) hn::StoreU(hn::Mul(hn::Load(df, a + c), vf), df, o + c);
+        } else {
+          for (int i = 0; i < d; ++i) o[channel_of[i]] = a[i] * f;
+        }
+      }
+      if (lse != nullptr) *lse = (hs.state.m[r] + std::log2(l)) * std::numbers::ln2_v<float>;
+    }
+  }
+}
+
+void RunWorkUnit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, int heads,
+                 KernelScratch& scratch, const ItemOutput* outs) {
+  VisitDecoder(args.cache.geometry.format, [&]<class Decoder>() {
+    RunUnit<Decoder>(args, plan, items, heads, scratch, outs);
+  });
+}
+
+#endif  // MJOLNIR_PORTABLE_TARGET
+
+const char* TargetName() { return hwy::TargetName(HWY_TARGET); }
+
+}  // namespace mjolnir::cpu::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+
+namespace mjolnir::cpu {
+
+HWY_EXPORT(RunWorkUnit);
+HWY_EXPORT(TargetName);
+
+float* KernelScratch::floats(int slot, std::size_t count) {
+  if (capacity_[slot] < count) {
+    floats_[slot] = hwy::AllocateAligned<float>(count);
+    capacity_[slot] = count;
+  }
+  return floats_[slot].get();
+}
+
+std::int32_t* KernelScratch::ints(std::size_t count) {
+  if (ints_.size() < count) ints_.resize(count);
+  return ints_.data();
+}
+
+const std::uint8_t** KernelScratch::row_pointers(std::size_t count) {
+  if (rows_.size() < count) rows_.resize(count);
+  return rows_.data();
+}
+
+void* KernelScratch::bytes(std::size_t count) {
+  if (bytes_capacity_ < count) {
+    bytes_ = hwy::AllocateAligned<std::uint8_t>(count);
+    bytes_capacity_ = count;
+  }
+  return bytes_.get();
+}
+
+void run_work_unit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, int heads,
+                   KernelScratch& scratch, const ItemOutput* outs) {
+  HWY_DYNAMIC_DISPATCH(RunWorkUnit)(args, plan, items, heads, scratch, outs);
+}
+
+std::vector<std::string> kernel_targets() {
+  std::vector<std::string> names;
+  // Lower bits are better targets in Highway's encoding, so this lists the best first.
+  for (std::int64_t targets = HWY_TARGETS; targets != 0; targets &= targets - 1) {
+    names.emplace_back(hwy::TargetName(targets & -targets));
+  }
+  return names;
+}
+
+std::string kernel_target() { return HWY_DYNAMIC_DISPATCH(TargetName)(); }
+
+}  // namespace mjolnir::cpu
+
+#endif  // HWY_ONCE

@@ -1,0 +1,63 @@
+// The CPU decode-attention kernel: one work item (the q_len * g query rows of a sequence's KV
+// head against a token range) on the best SIMD target of this CPU, chosen at run time.
+//
+// SIMD targets (cpu/simd_targets.h) run the kernel of cpu/attention_kernel.cc: each K/V tile is
+// decoded in registers once for all rows, fp32 accumulation, online softmax with a vectorized
+// exp2. Highway's portable fallback target runs the scalar path of cpu/attention_item.h. Both
+// follow the numerics contract; docs/cpu-performance.md explains the design.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "cpu/attention_item.h"
+#include "hwy/aligned_allocator.h"
+#include "mjolnir/decode.h"
+
+namespace mjolnir::cpu {
+
+// Where one work item's results go: for query row r (r = t * g + j), its normalized O row
+// (D floats) and its natural-log LSE (null: not wanted).
+struct ItemOutput {
+  float* const* o = nullptr;    // [rows]
+  float* const* lse = nullptr;  // [rows]
+};
+
+// One worker thread's buffers, grown on first use and reused across items and calls.
+class KernelScratch {
+ public:
+  // Buffer `slot` with room for at least `count` floats, 64-byte aligned. Contents are not kept
+  // when it grows.
+  float* floats(int slot, std::size_t count);
+  std::int32_t* ints(std::size_t count);
+  const std::uint8_t** row_pointers(std::size_t count);
+  void* bytes(std::size_t count);  // untyped, for per-target structures
+
+  ItemScratch portable;  // the scalar path's buffers
+
+ private:
+  static constexpr int kSlots = 12;
+  hwy::AlignedFreeUniquePtr<float[]> floats_[kSlots];
+  std::size_t capacity_[kSlots] = {};
+  std::vector<std::int32_t> ints_;
+  std::vector<const std::uint8_t*> rows_;
+  hwy::AlignedFreeUniquePtr<std::uint8_t[]> bytes_;
+  std::size_t bytes_capacity_ = 0;
+};
+
+// Runs the work items items[0 .. heads) of a validated step, which must share their sequence,
+// token range and split (the plan's items for several KV heads of one chunk), and writes item
+// h's rows to outs[h]. Their tiles are processed together, so each tile reads the K/V rows of
+// all those heads at once: whole pages, contiguous in every layout, instead of one head's
+// rows scattered at the token stride.
+void run_work_unit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, int heads,
+                   KernelScratch& scratch, const ItemOutput* outs);
+
+// Highway targets the kernel is compiled for, best first, and the one run() uses on this CPU
+// (honouring hwy::DisableTargets / SetSupportedTargetsForTest).
+std::vector<std::string> kernel_targets();
+std::string kernel_target();
+
+}  // namespace mjolnir::cpu

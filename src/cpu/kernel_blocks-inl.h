@@ -1,0 +1,282 @@
+// The register blocks of the CPU kernel's fast path (attention_kernel.cc): Q . K for 4 query rows
+// x 2 keys and P . V for 4 rows x 2 vectors, each K/V vector decoded in registers
+// (kv_decode-inl.h) once for all rows. Per-target header, see kv_decode-inl.h.
+//
+// Sizes are set by AVX2's 16 vector registers: 8 accumulators (8 independent FMA chains, which
+// two FMA pipes with 4-cycle latency need), 2 decoded vectors, 1 query vector and a constant or
+// two. Zen 3 sustains only about 32 bytes of vector loads per cycle beside two FMAs, so a step
+// loads 4 query vectors (128 bytes) per 8 FMAs and reads K and V as codes, never as fp32.
+
+#if defined(MJOLNIR_CPU_KERNEL_BLOCKS_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef MJOLNIR_CPU_KERNEL_BLOCKS_INL_H_
+#undef MJOLNIR_CPU_KERNEL_BLOCKS_INL_H_
+#else
+#define MJOLNIR_CPU_KERNEL_BLOCKS_INL_H_
+#endif
+
+#include <cstddef>
+#include <cstdint>
+
+#include "cpu/kv_decode-inl.h"
+#include "hwy/highway.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace mjolnir::cpu::HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+#if !MJOLNIR_PORTABLE_TARGET
+
+// Keeps a loaded vector in a register. Compilers otherwise fold every use of it into the FMAs as
+// a memory operand, loading it again per use, and the register blocks below become load-bound.
+template <class V>
+HWY_INLINE V InRegister(V v) {
+#if HWY_ARCH_X86
+  asm("" : "+x"(v.raw));
+#endif
+  return v;
+}
+
+using Float4Tag = hn::CappedTag<float, 4>;
+using Float4 = hn::Vec<Float4Tag>;
+
+// [sum(a0), sum(a1), sum(a2), sum(a3)].
+template <class DF>  // a template, so only the branch for DF's lane count is instantiated
+HWY_INLINE Float4 Reduce4(DF df, hn::Vec<DF> a0, hn::Vec<DF> a1, hn::Vec<DF> a2, hn::Vec<DF> a3) {
+#if HWY_TARGET == HWY_SVE || HWY_TARGET == HWY_SVE2 || HWY_TARGET == HWY_SVE_256 || \
+    HWY_TARGET == HWY_SVE2_128
+  const Float4Tag d4;
+  alignas(16) float sums[4] = {hn::GetLane(hn::SumOfLanes(df, a0)), hn::GetLane(hn::SumOfLanes(df, a1)),
+                               hn::GetLane(hn::SumOfLanes(df, a2)), hn::GetLane(hn::SumOfLanes(df, a3))};
+  return hn::Load(d4, sums);
+#else
+  // Within each 128-bit block: transpose-and-add the four vectors into one holding four partial
+  // sums, then add the blocks together.
+  const hn::Repartition<std::uint64_t, decltype(df)> d64;
+  const auto t0 = hn::Add(hn::InterleaveLower(df, a0, a1), hn::InterleaveUpper(df, a0, a1));
+  const auto t1 = hn::Add(hn::InterleaveLower(df, a2, a3), hn::InterleaveUpper(df, a2, a3));
+  const auto lo = hn::InterleaveLower(d64, hn::BitCast(d64, t0), hn::BitCast(d64, t1));
+  const auto hi = hn::InterleaveUpper(d64, hn::BitCast(d64, t0), hn::BitCast(d64, t1));
+  const auto u = hn::Add(hn::BitCast(df, lo), hn::BitCast(df, hi));
+  constexpr std::size_t kLanes = hn::MaxLanes(df);
+  if constexpr (kLanes == 4) {
+    return u;
+  } else if constexpr (kLanes == 8) {
+    const hn::Half<decltype(df)> dh;
+    return hn::Add(hn::LowerHalf(dh, u), hn::UpperHalf(dh, u));
+  } else {  // 16 lanes
+    const hn::Half<decltype(df)> dh;
+    const hn::Half<decltype(dh)> dq;
+    const auto h = hn::Add(hn::LowerHalf(dh, u), hn::UpperHalf(dh, u));
+    return hn::Add(hn::LowerHalf(dq, h), hn::UpperHalf(dq, h));
+  }
+#endif
+}
+
+// Fast path, one step of a 4-row x 2-key score block: vector kJ of a chunk of both keys,
+// decoded in registers, against the matching vector of 4 query rows (q, D floats apart).
+template <class Dec, std::size_t kJ, class DF, class VR, class V = hn::Vec<DF>>
+HWY_INLINE void ScoreStep4x2(DF df, const float* HWY_RESTRICT q, std::size_t qs, VR w0, VR w1,
+                             V u0, V u1, V& a00, V& a01, V& a10, V& a11, V& a20, V& a21, V& a30,
+                             V& a31) {
+  const auto x0 = InRegister(Dec::template Get<kJ>(df, w0, u0));
+  const auto x1 = InRegister(Dec::template Get<kJ>(df, w1, u1));
+  const auto q0 = InRegister(hn::Load(df, q));
+  a00 = hn::MulAdd(q0, x0, a00);
+  a01 = hn::MulAdd(q0, x1, a01);
+  const auto q1 = InRegister(hn::Load(df, q + qs));
+  a10 = hn::MulAdd(q1, x0, a10);
+  a11 = hn::MulAdd(q1, x1, a11);
+  const auto q2 = InRegister(hn::Load(df, q + 2 * qs));
+  a20 = hn::MulAdd(q2, x0, a20);
+  a21 = hn::MulAdd(q2, x1, a21);
+  const auto q3 = InRegister(hn::Load(df, q + 3 * qs));
+  a30 = hn::MulAdd(q3, x0, a30);
+  a31 = hn::MulAdd(q3, x1, a31);
+}
+
+// Orders the steps of a multi-vector chunk: the next step's decode (which reads w0, w1) cannot be
+// hoisted above the previous step's FMAs (which produce the accumulators). Left to itself, GCC
+// decodes every vector of the chunk up front, runs out of the 16 AVX2 registers and spills
+// accumulators to the stack inside the hottest loop.
+template <class VR, class V>
+HWY_INLINE void StepBarrier(VR& w0, VR& w1, V& a00, V& a01, V& a10, V& a11, V& a20, V& a21,
+                            V& a30, V& a31) {
+#if HWY_ARCH_X86
+  asm volatile(""
+               : "+x"(w0.raw), "+x"(w1.raw), "+x"(a00.raw), "+x"(a01.raw), "+x"(a10.raw),
+                 "+x"(a11.raw), "+x"(a20.raw), "+x"(a21.raw), "+x"(a30.raw), "+x"(a31.raw));
+#else
+  (void)w0, (void)w1, (void)a00, (void)a01, (void)a10, (void)a11, (void)a20, (void)a21, (void)a30,
+      (void)a31;
+#endif
+}
+
+// Scores of 4 query rows (qs floats apart) against the K rows k0 and k1 over chunks [c0, c1): 8
+// independent FMA
+// chains keep both FMA pipes busy; each K byte is loaded and decoded once for the 4 rows, and
+// only Q (4 vectors per 8 FMAs) comes from L1. Returns the sums for k0 (rows 0..3) and k1.
+template <class Dec>
+HWY_INLINE void ScoreBlock4x2(const float* HWY_RESTRICT q, std::size_t qs, std::size_t d,
+                              const std::uint8_t* k0,
+                              const std::uint8_t* k1, std::size_t c0, std::size_t c1,
+                              Float4& sum0, Float4& sum1) {
+  using DF = typename Dec::Tag;
+  const DF df;
+  const std::size_t n = hn::Lanes(df);
+  auto a00 = hn::Zero(df), a01 = hn::Zero(df), a10 = hn::Zero(df), a11 = hn::Zero(df);
+  auto a20 = hn::Zero(df), a21 = hn::Zero(df), a30 = hn::Zero(df), a31 = hn::Zero(df);
+  for (std::size_t c = c0; c < c1; ++c) {
+    auto w0 = Dec::Load(df, k0, c, d);
+    auto w1 = Dec::Load(df, k1, c, d);
+    const auto u0 = Dec::Aux(df, k0, c, d);
+    const auto u1 = Dec::Aux(df, k1, c, d);
+    const float* qc = q + c * Dec::kVectors * n;
+    ScoreStep4x2<Dec, 0>(df, qc, qs, w0, w1, u0, u1, a00, a01, a10, a11, a20, a21, a30, a31);
+    if constexpr (Dec::kVectors > 1) {
+      StepBarrier(w0, w1, a00, a01, a10, a11, a20, a21, a30, a31);
+      ScoreStep4x2<Dec, 1>(df, qc + n, qs, w0, w1, u0, u1, a00, a01, a10, a11, a20, a21, a30, a31);
+    }
+    if constexpr (Dec::kVectors > 2) {
+      StepBarrier(w0, w1, a00, a01, a10, a11, a20, a21, a30, a31);
+      ScoreStep4x2<Dec, 2>(df, qc + 2 * n, qs, w0, w1, u0, u1, a00, a01, a10, a11, a20, a21, a30,
+                           a31);
+      StepBarrier(w0, w1, a00, a01, a10, a11, a20, a21, a30, a31);
+      ScoreStep4x2<Dec, 3>(df, qc + 3 * n, qs, w0, w1, u0, u1, a00, a01, a10, a11, a20, a21, a30,
+                           a31);
+    }
+  }
+  sum0 = Reduce4(df, a00, a10, a20, a30);
+  sum1 = Reduce4(df, a01, a11, a21, a31);
+}
+
+// One query row against 2 K rows (rows left over from blocks of 4).
+template <class Dec>
+HWY_INLINE void ScoreBlock1x2(const float* HWY_RESTRICT q, std::size_t d, const std::uint8_t* k0,
+                              const std::uint8_t* k1, float* sum0, float* sum1) {
+  using DF = typename Dec::Tag;
+  const DF df;
+  const std::size_t n = hn::Lanes(df);
+  auto a0 = hn::Zero(df), a1 = hn::Zero(df);
+  for (std::size_t c = 0; c < d / (Dec::kVectors * n); ++c) {
+    const auto w0 = Dec::Load(df, k0, c, d), w1 = Dec::Load(df, k1, c, d);
+    const auto u0 = Dec::Aux(df, k0, c, d), u1 = Dec::Aux(df, k1, c, d);
+    const float* qc = q + c * Dec::kVectors * n;
+    const auto step = [&](auto j) HWY_ATTR {
+      const auto qv = hn::Load(df, qc + decltype(j)::value * n);
+      a0 = hn::MulAdd(qv, Dec::template Get<decltype(j)::value>(df, w0, u0), a0);
+      a1 = hn::MulAdd(qv, Dec::template Get<decltype(j)::value>(df, w1, u1), a1);
+    };
+    step(std::integral_constant<std::size_t, 0>());
+    if constexpr (Dec::kVectors > 1) step(std::integral_constant<std::size_t, 1>());
+    if constexpr (Dec::kVectors > 2) {
+      step(std::integral_constant<std::size_t, 2>());
+      step(std::integral_constant<std::size_t, 3>());
+    }
+  }
+  alignas(16) float s[4];
+  hn::Store(Reduce4(df, a0, a1, a0, a0), Float4Tag(), s);
+  *sum0 = s[0];
+  *sum1 = s[1];
+}
+
+
+// --- P . V ---------------------------------------------------------------------------------------
+
+// Vectors kJ and kJ + 1 of V row `row` for the value blocks: the two halves of one chunk, or,
+// for one-vector chunks, chunks c and c + 1.
+template <class Dec, std::size_t kJ, class DF>
+HWY_INLINE void ValuePair(DF df, const std::uint8_t* row, std::size_t c, std::size_t d,
+                          hn::Vec<DF>& x0, hn::Vec<DF>& x1) {
+  if constexpr (Dec::kVectors == 1) {
+    x0 = Dec::template Get<0>(df, Dec::Load(df, row, c, d), Dec::Aux(df, row, c, d));
+    x1 = Dec::template Get<0>(df, Dec::Load(df, row, c + 1, d), Dec::Aux(df, row, c + 1, d));
+  } else {
+    const auto w = Dec::Load(df, row, c, d);
+    const auto u = Dec::Aux(df, row, c, d);
+    x0 = Dec::template Get<kJ>(df, w, u);
+    x1 = Dec::template Get<kJ + 1>(df, w, u);
+  }
+}
+
+// acc[4 rows, `as` floats apart][vectors v, v + 1] = alpha * acc + sum_t p[row][t] * v_t over the
+// count V rows at
+// bases[t] + offset, decoded in registers: 8 FMA chains, each V vector decoded once for the 4
+// rows. (c, kJ) locate vector v: chunk c, vector kJ within it (chunks c, c + 1 for one-vector
+// chunks).
+template <class Dec, std::size_t kJ>
+HWY_INLINE void ValueBlock4x2(const float* HWY_RESTRICT p, std::size_t p_stride,
+                              const std::uint8_t* const* bases, std::int64_t offset, int count,
+                              std::size_t d, float* HWY_RESTRICT acc, std::size_t as,
+                              const float* alpha, std::size_t v, std::size_t c) {
+  using DF = typename Dec::Tag;
+  const DF df;
+  const std::size_t n = hn::Lanes(df);
+  float* a0p = acc + v * n;
+  float* a1p = a0p + as;
+  float* a2p = a0p + 2 * as;
+  float* a3p = a0p + 3 * as;
+  auto a00 = hn::Load(df, a0p), a01 = hn::Load(df, a0p + n);
+  auto a10 = hn::Load(df, a1p), a11 = hn::Load(df, a1p + n);
+  auto a20 = hn::Load(df, a2p), a21 = hn::Load(df, a2p + n);
+  auto a30 = hn::Load(df, a3p), a31 = hn::Load(df, a3p + n);
+  if (alpha != nullptr) {
+    const auto s0 = hn::Set(df, alpha[0]), s1 = hn::Set(df, alpha[1]);
+    const auto s2 = hn::Set(df, alpha[2]), s3 = hn::Set(df, alpha[3]);
+    a00 = hn::Mul(a00, s0), a01 = hn::Mul(a01, s0), a10 = hn::Mul(a10, s1), a11 = hn::Mul(a11, s1);
+    a20 = hn::Mul(a20, s2), a21 = hn::Mul(a21, s2), a30 = hn::Mul(a30, s3), a31 = hn::Mul(a31, s3);
+  }
+  for (int t = 0; t < count; ++t) {
+    hn::Vec<DF> x0, x1;
+    ValuePair<Dec, kJ>(df, bases[t] + offset, c, d, x0, x1);
+    x0 = InRegister(x0);
+    x1 = InRegister(x1);
+    const auto p0 = hn::Set(df, p[t]);
+    a00 = hn::MulAdd(p0, x0, a00);
+    a01 = hn::MulAdd(p0, x1, a01);
+    const auto p1 = hn::Set(df, p[p_stride + t]);
+    a10 = hn::MulAdd(p1, x0, a10);
+    a11 = hn::MulAdd(p1, x1, a11);
+    const auto p2 = hn::Set(df, p[2 * p_stride + t]);
+    a20 = hn::MulAdd(p2, x0, a20);
+    a21 = hn::MulAdd(p2, x1, a21);
+    const auto p3 = hn::Set(df, p[3 * p_stride + t]);
+    a30 = hn::MulAdd(p3, x0, a30);
+    a31 = hn::MulAdd(p3, x1, a31);
+  }
+  hn::Store(a00, df, a0p), hn::Store(a01, df, a0p + n);
+  hn::Store(a10, df, a1p), hn::Store(a11, df, a1p + n);
+  hn::Store(a20, df, a2p), hn::Store(a21, df, a2p + n);
+  hn::Store(a30, df, a3p), hn::Store(a31, df, a3p + n);
+}
+
+// One row's share (rows left over from blocks of 4).
+template <class Dec, std::size_t kJ>
+HWY_INLINE void ValueBlock1x2(const float* HWY_RESTRICT p, const std::uint8_t* const* bases,
+                              std::int64_t offset, int count, std::size_t d,
+                              float* HWY_RESTRICT acc, const float* alpha, std::size_t v,
+                              std::size_t c) {
+  using DF = typename Dec::Tag;
+  const DF df;
+  const std::size_t n = hn::Lanes(df);
+  auto a0 = hn::Load(df, acc + v * n), a1 = hn::Load(df, acc + (v + 1) * n);
+  if (alpha != nullptr) {
+    a0 = hn::Mul(a0, hn::Set(df, alpha[0]));
+    a1 = hn::Mul(a1, hn::Set(df, alpha[0]));
+  }
+  for (int t = 0; t < count; ++t) {
+    hn::Vec<DF> x0, x1;
+    ValuePair<Dec, kJ>(df, bases[t] + offset, c, d, x0, x1);
+    const auto pt = hn::Set(df, p[t]);
+    a0 = hn::MulAdd(pt, x0, a0);
+    a1 = hn::MulAdd(pt, x1, a1);
+  }
+  hn::Store(a0, df, acc + v * n);
+  hn::Store(a1, df, acc + (v + 1) * n);
+}
+
+#endif  // !MJOLNIR_PORTABLE_TARGET
+
+}  // namespace mjolnir::cpu::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#endif  // MJOLNIR_CPU_KERNEL_BLOCKS_INL_H_

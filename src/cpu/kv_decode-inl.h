@@ -1,0 +1,343 @@
+// SIMD decoders of packed KV rows (DESIGN.md section 3) into fp32, one per format, for the CPU
+// kernels. Per-target header (Highway "-inl" convention): included once per foreach_target pass.
+//
+// A decoder turns the codes of a row into fp32 vectors in registers, with as few instructions as
+// the format allows, so the kernels can feed them straight into FMAs (a decoded row is never
+// stored). It works in chunks: Load() reads the bytes of chunk c (one or a few 8-32 byte loads)
+// and Get<j>() produces vector j of the chunk (kVectors of them). Two liberties, which the
+// kernel undoes for free:
+//   - Channel order. A row decodes to the channel order ChannelOrder() gives: formats whose
+//     codes are cheaper to unpack in another order (bf16 even/odd halves of a 32-bit word, fp4
+//     low/high nibbles, fp6 the four codes of a 3-byte group) keep that order. The kernel
+//     permutes Q into the same order once per work item and O back once at the end, so q . k
+//     and p . v see matching channels and nothing is shuffled per token.
+//   - A power-of-two scale. Output = value * 2^kRawExp exactly (every decoded value is exactly
+//     representable, subnormal fp32 included, so the scaling loses nothing). Codes are placed
+//     straight into fp32 bit fields (sign, exponent, mantissa) without re-biasing the exponent;
+//     the bias difference is the power of two, which the kernel folds into Q and the score
+//     scale (for K) or into P and the output scale (for V).
+// Codes that never reach a cache written by write_kv (Inf/NaN codes of e4m3 and e5m2) decode to
+// finite values here; every finite code decodes exactly (tests/test_cpu_kernels.cc checks every
+// code against decode_row).
+
+#if defined(MJOLNIR_CPU_KV_DECODE_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef MJOLNIR_CPU_KV_DECODE_INL_H_
+#undef MJOLNIR_CPU_KV_DECODE_INL_H_
+#else
+#define MJOLNIR_CPU_KV_DECODE_INL_H_
+#endif
+
+#include <cstddef>
+#include <cstdint>
+
+#include "cpu/codec_tables.h"
+#include "hwy/highway.h"
+#include "mjolnir/format.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace mjolnir::cpu::HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+#if !MJOLNIR_PORTABLE_TARGET
+
+// The widest float vectors the kernels use: a row has a multiple of 32 channels, so 16 lanes
+// (AVX-512) always divide it.
+using WideFloatTag = hn::CappedTag<float, 16>;
+
+// Lanes of the decoders that unpack 128-bit blocks (fp6) or whose vectors must not span two
+// nvfp4 scale blocks: two blocks on AVX2 and AVX-512 (which uses the same 256-bit code), one
+// elsewhere (SSE4, NEON, SVE).
+#if HWY_TARGET == HWY_AVX2 || HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+inline constexpr std::size_t kBlockLanes = 8;
+#else
+inline constexpr std::size_t kBlockLanes = 4;
+#endif
+using BlockFloatTag = hn::CappedTag<float, kBlockLanes>;
+
+// Rows are addressed by byte strides chosen by the caller, so every load is a byte load
+// reinterpreted (no alignment assumed beyond one byte).
+template <class D>
+HWY_INLINE hn::Vec<D> LoadBytesAs(D d, const std::uint8_t* p) {
+  const hn::Repartition<std::uint8_t, D> d8;
+  return hn::BitCast(d, hn::LoadU(d8, p));
+}
+
+// --- fp8 -----------------------------------------------------------------------------------------
+// One byte per channel, sign-extended into a 32-bit lane and shifted so the sign lands in bit
+// 31 and exponent + mantissa in the top of the fp32 exponent and mantissa fields; the AND drops
+// the copies of the sign that the extension left between them. Three instructions per vector.
+
+template <int kShift, std::uint32_t kMask, int kRaw>
+struct DecodeFp8 {
+  static constexpr int kRawExp = kRaw;
+  static constexpr std::size_t kVectors = 1;
+  using Tag = WideFloatTag;
+
+  template <class DF>
+  static HWY_INLINE hn::Vec<hn::RebindToSigned<DF>> Load(DF df, const std::uint8_t* row,
+                                                          std::size_t chunk, std::size_t) {
+    const hn::RebindToSigned<DF> di;
+    const hn::Rebind<std::int8_t, DF> d8;
+    const std::size_t n = hn::Lanes(df);
+    return hn::PromoteTo(di, hn::LoadU(d8, reinterpret_cast<const std::int8_t*>(row) + chunk * n));
+  }
+  template <class DF>
+  static HWY_INLINE hn::Vec<DF> Aux(DF df, const std::uint8_t*, std::size_t, std::size_t) {
+    return hn::Zero(df);
+  }
+  template <std::size_t kJ, class DF, class VR>
+  static HWY_INLINE hn::Vec<DF> Get(DF df, VR raw, hn::Vec<DF>) {
+    const hn::RebindToSigned<DF> di;
+    return hn::BitCast(df, hn::And(hn::ShiftLeft<kShift>(raw),
+                                   hn::Set(di, static_cast<std::int32_t>(kMask))));
+  }
+};
+
+// s.eeee.mmm -> fp32 bits 31 | 26..23 | 22..20: 2^(e-127) (1.m) for a true 2^(e-7) (1.m), and
+// the subnormal m 2^-9 lands on the fp32 subnormal m 2^-129: both 2^-120.
+using DecodeE4M3 = DecodeFp8<20, 0x87F00000u, -120>;
+// s.eeeee.mm -> bits 31 | 27..23 | 22..21: 2^(e-127) for 2^(e-15).
+using DecodeE5M2 = DecodeFp8<21, 0x8FE00000u, -112>;
+
+// --- bf16 / fp16 ---------------------------------------------------------------------------------
+
+struct DecodeBf16 {
+  // A 32-bit word holds channels 2i (low half) and 2i+1 (high half): the high half already is an
+  // fp32 once the low half is masked off, the low half once shifted up. One instruction per
+  // vector; each chunk of 2n channels comes out as its n even channels, then its n odd ones.
+  static constexpr int kRawExp = 0;
+  static constexpr std::size_t kVectors = 2;
+  using Tag = WideFloatTag;
+
+  template <class DF>
+  static HWY_INLINE hn::Vec<hn::RebindToUnsigned<DF>> Load(DF df, const std::uint8_t* row,
+                                                           std::size_t chunk, std::size_t) {
+    const hn::RebindToUnsigned<DF> du;
+    return LoadBytesAs(du, row + chunk * 4 * hn::Lanes(df));
+  }
+  template <class DF>
+  static HWY_INLINE hn::Vec<DF> Aux(DF df, const std::uint8_t*, std::size_t, std::size_t) {
+    return hn::Zero(df);
+  }
+  template <std::size_t kJ, class DF, class VR>
+  static HWY_INLINE hn::Vec<DF> Get(DF df, VR words, hn::Vec<DF>) {
+    const hn::RebindToUnsigned<DF> du;
+    if constexpr (kJ == 0) return hn::BitCast(df, hn::ShiftLeft<16>(words));
+    return hn::BitCast(df, hn::And(words, hn::Set(du, 0xFFFF0000u)));
+  }
+};
+
+struct DecodeFp16 {
+  // The hardware conversion (F16C on x86, FCVTL on Arm) is exact, subnormals included.
+  static constexpr int kRawExp = 0;
+  static constexpr std::size_t kVectors = 1;
+  using Tag = WideFloatTag;
+
+  template <class DF>
+  static HWY_INLINE hn::Vec<hn::Rebind<hwy::float16_t, DF>> Load(DF df, const std::uint8_t* row,
+                                                                  std::size_t chunk, std::size_t) {
+    const hn::Rebind<hwy::float16_t, DF> dh;
+    return LoadBytesAs(dh, row + chunk * 2 * hn::Lanes(df));
+  }
+  template <class DF>
+  static HWY_INLINE hn::Vec<DF> Aux(DF df, const std::uint8_t*, std::size_t, std::size_t) {
+    return hn::Zero(df);
+  }
+  template <std::size_t kJ, class DF, class VR>
+  static HWY_INLINE hn::Vec<DF> Get(DF df, VR halves, hn::Vec<DF>) {
+    return hn::PromoteTo(df, halves);
+  }
+};
+
+// --- fp4 e2m1 and nvfp4 --------------------------------------------------------------------------
+// A byte holds channels 2i (low nibble) and 2i+1 (high nibble). Shifting a nibble to the top of
+// its 32-bit lane puts its sign in bit 31; an arithmetic shift right by 6 then drops exponent and
+// mantissa (3 bits) into fp32 bits 24..22, and the AND clears the sign copies above them:
+// 2^(e-127) (1.m) for a true 2^(e-1) (1.m), the subnormal m/2 as the fp32 subnormal m 2^-127.
+// Each chunk of 2n channels (n bytes) comes out as its n even channels, then its n odd ones.
+
+template <class DF>
+HWY_INLINE hn::Vec<hn::RebindToUnsigned<DF>> LoadNibbleBytes(DF /* d */, const std::uint8_t* p) {
+  const hn::RebindToUnsigned<DF> du;
+  const hn::Rebind<std::uint8_t, DF> d8;
+  return hn::PromoteTo(du, hn::LoadU(d8, p));
+}
+
+template <std::size_t kJ, class DF, class VU>
+HWY_INLINE hn::Vec<DF> E2M1Nibble(DF df, VU bytes32) {
+  const hn::RebindToSigned<DF> di;
+  const auto x = hn::BitCast(di, bytes32);
+  const auto top = kJ == 0 ? hn::ShiftLeft<28>(x) : hn::ShiftLeft<24>(x);
+  return hn::BitCast(df, hn::And(hn::ShiftRight<6>(top),
+                                 hn::Set(di, static_cast<std::int32_t>(0x81C00000u))));
+}
+
+struct DecodeE2M1 {
+  static constexpr int kRawExp = -126;
+  static constexpr std::size_t kVectors = 2;
+  using Tag = WideFloatTag;
+
+  template <class DF>
+  static HWY_INLINE hn::Vec<hn::RebindToUnsigned<DF>> Load(DF df, const std::uint8_t* row,
+                                                           std::size_t chunk, std::size_t) {
+    return LoadNibbleBytes(df, row + chunk * hn::Lanes(df));
+  }
+  template <class DF>
+  static HWY_INLINE hn::Vec<DF> Aux(DF df, const std::uint8_t*, std::size_t, std::size_t) {
+    return hn::Zero(df);
+  }
+  template <std::size_t kJ, class DF, class VR>
+  static HWY_INLINE hn::Vec<DF> Get(DF df, VR bytes32, hn::Vec<DF>) {
+    return E2M1Nibble<kJ>(df, bytes32);
+  }
+};
+
+struct DecodeNvfp4 {
+  // value = e2m1 * block scale. The block scale (e4m3, one per 16 channels, after the D/2 code
+  // bytes) is looked up times 2^64, so the exact product raw(e2m1) * scale * 2^64 =
+  // value * 2^-62 is a normal fp32 for every non-zero code. One multiply per vector; vectors of
+  // at most 8 lanes keep a chunk (2n channels) inside one block.
+  static constexpr int kScaleExp = 64;
+  static constexpr int kRawExp = -126 + kScaleExp;
+  static constexpr std::size_t kVectors = 2;
+  using Tag = BlockFloatTag;
+
+  template <class DF>
+  static HWY_INLINE hn::Vec<hn::RebindToUnsigned<DF>> Load(DF df, const std::uint8_t* row,
+                                                           std::size_t chunk, std::size_t) {
+    return LoadNibbleBytes(df, row + chunk * hn::Lanes(df));
+  }
+  template <class DF>
+  static HWY_INLINE hn::Vec<DF> Aux(DF df, const std::uint8_t* row, std::size_t chunk,
+                                    std::size_t head_dim) {
+    static constexpr auto kScales = e4m3_value_table<kScaleExp>();
+    const std::size_t channel = chunk * 2 * hn::Lanes(df);
+    return hn::Set(df, kScales[row[head_dim / 2 + channel / kNvfp4BlockSize]]);
+  }
+  template <std::size_t kJ, class DF, class VR>
+  static HWY_INLINE hn::Vec<DF> Get(DF df, VR bytes32, hn::Vec<DF> scale) {
+    return hn::Mul(E2M1Nibble<kJ>(df, bytes32), scale);
+  }
+};
+
+// --- fp6 -----------------------------------------------------------------------------------------
+// Four codes in three bytes, the little-endian word c0 | c1<<6 | c2<<12 | c3<<18. A byte shuffle
+// spreads the groups of a 128-bit block into 32-bit lanes (group j in lane j); code k of every
+// lane is then shifted to the top (sign in bit 31), arithmetic-shifted down onto the fp32
+// exponent and mantissa fields, and masked: three instructions per vector. A chunk (4n channels,
+// 3n bytes) comes out as code 0 of its n groups, then code 1, code 2, code 3.
+// Loads never read outside the row: every block but a chunk's last loads the 16 bytes at its
+// 12; the last loads the 16 bytes that end where its 12 end and shuffles from 4 bytes further.
+
+template <int kExponentBits>
+struct DecodeFp6 {
+  // e2m3: 2^(e-127) (1.m) for 2^(e-1) (1.m), subnormals likewise: 2^-126.
+  // e3m2: 2^(e-127) (1.m) for 2^(e-3) (1.m): 2^-124.
+  static constexpr int kMantissaBits = 5 - kExponentBits;
+  static constexpr int kRawExp = kExponentBits == 2 ? -126 : -124;
+  static constexpr std::size_t kVectors = 4;
+  using Tag = BlockFloatTag;
+
+  template <class DF>
+  static HWY_INLINE hn::Vec<hn::RebindToSigned<DF>> Load(DF df, const std::uint8_t* row,
+                                                         std::size_t chunk, std::size_t head_dim) {
+    const hn::RebindToSigned<DF> di;
+    const hn::Repartition<std::uint8_t, DF> d8;
+    constexpr std::size_t n = kBlockLanes;
+    // Lane j of a block gets bytes 3j..3j+2 (from 4 further on in a shifted block); the fourth
+    // byte is never used (shifted out), so it repeats an index to stay in range everywhere.
+    alignas(16) static constexpr std::uint8_t kGroups[16] = {0, 1, 2, 2,  3,  4,  5,  5,
+                                                             6, 7, 8, 8,  9,  10, 11, 11};
+    alignas(16) static constexpr std::uint8_t kGroupsShifted[16] = {4,  5,  6,  6,  7,  8,  9,  9,
+                                                                    10, 11, 12, 12, 13, 14, 15, 15};
+    const std::uint8_t* p = row + chunk * 3 * n;
+    hn::Vec<decltype(d8)> bytes, index;
+    if constexpr (n == 8) {
+      const hn::Half<decltype(d8)> d8h;
+      bytes = hn::Combine(d8, hn::LoadU(d8h, p + 8), hn::LoadU(d8h, p));
+      index = hn::Combine(d8, hn::Load(d8h, kGroupsShifted), hn::Load(d8h, kGroups));
+    } else {  // n == 4: one block per chunk; D >= 32 channels = 2 chunks at least
+      const bool last = (chunk + 1) * 4 * n == head_dim;
+      bytes = hn::LoadU(d8, last ? p - 4 : p);
+      index = hn::Load(d8, last ? kGroupsShifted : kGroups);
+    }
+    (void)df;
+    return hn::BitCast(di, hn::TableLookupBytes(bytes, index));
+  }
+  template <class DF>
+  static HWY_INLINE hn::Vec<DF> Aux(DF df, const std::uint8_t*, std::size_t, std::size_t) {
+    return hn::Zero(df);
+  }
+  template <std::size_t kJ, class DF, class VR>
+  static HWY_INLINE hn::Vec<DF> Get(DF df, VR words, hn::Vec<DF>) {
+    const hn::RebindToSigned<DF> di;
+    constexpr int kUp = 26 - 6 * int(kJ);      // code kJ's sign to bit 31
+    constexpr int kDown = 3 + kMantissaBits;   // its 5 magnitude bits onto fp32 bits 20/21..
+    const auto mask = hn::Set(di, static_cast<std::int32_t>(0x80000000u | (0x1Fu << (26 - kDown))));
+    return hn::BitCast(df, hn::And(hn::ShiftRight<kDown>(hn::ShiftLeft<kUp>(words)), mask));
+  }
+};
+
+using DecodeE2M3 = DecodeFp6<2>;
+using DecodeE3M2 = DecodeFp6<3>;
+
+// --- whole rows --------------------------------------------------------------------------------
+
+// Vectors of a decoder's tag per row, and channels per chunk.
+template <class Dec>
+HWY_INLINE std::size_t ChunkChannels() {
+  return Dec::kVectors * hn::Lanes(typename Dec::Tag());
+}
+
+// out[i] = channel ChannelOrder()[i] of the row, times 2^kRawExp.
+template <class Dec>
+HWY_INLINE void DecodeRow(const std::uint8_t* row, std::size_t head_dim, float* HWY_RESTRICT out) {
+  const typename Dec::Tag df;
+  const std::size_t n = hn::Lanes(df);
+  for (std::size_t c = 0; c < head_dim / ChunkChannels<Dec>(); ++c) {
+    const auto raw = Dec::Load(df, row, c, head_dim);
+    const auto aux = Dec::Aux(df, row, c, head_dim);
+    float* o = out + c * Dec::kVectors * n;
+    hn::StoreU(Dec::template Get<0>(df, raw, aux), df, o);
+    if constexpr (Dec::kVectors > 1) hn::StoreU(Dec::template Get<1>(df, raw, aux), df, o + n);
+    if constexpr (Dec::kVectors > 2) {
+      hn::StoreU(Dec::template Get<2>(df, raw, aux), df, o + 2 * n);
+      hn::StoreU(Dec::template Get<3>(df, raw, aux), df, o + 3 * n);
+    }
+  }
+}
+
+// channel_of[i]: the channel DecodeRow writes to out[i]. Within a chunk of kVectors * n
+// channels, vector j lane l holds channel kVectors * l + j.
+template <class Dec>
+void ChannelOrder(std::size_t head_dim, std::int32_t* channel_of) {
+  const std::size_t n = hn::Lanes(typename Dec::Tag());
+  constexpr std::size_t v = Dec::kVectors;
+  for (std::size_t i = 0; i < head_dim; ++i) {
+    const std::size_t chunk = i / (v * n), j = (i % (v * n)) / n, lane = i % n;
+    channel_of[i] = static_cast<std::int32_t>(chunk * v * n + v * lane + j);
+  }
+}
+
+// Calls visit.template operator()<Decoder>() with the decoder of `format`.
+template <class Visitor>
+HWY_INLINE decltype(auto) VisitDecoder(Format format, Visitor&& visit) {
+  switch (format) {
+    case Format::bf16: return visit.template operator()<DecodeBf16>();
+    case Format::fp16: return visit.template operator()<DecodeFp16>();
+    case Format::fp8_e4m3: return visit.template operator()<DecodeE4M3>();
+    case Format::fp8_e5m2: return visit.template operator()<DecodeE5M2>();
+    case Format::fp6_e2m3: return visit.template operator()<DecodeE2M3>();
+    case Format::fp6_e3m2: return visit.template operator()<DecodeE3M2>();
+    case Format::fp4_e2m1: return visit.template operator()<DecodeE2M1>();
+    case Format::nvfp4: break;
+  }
+  return visit.template operator()<DecodeNvfp4>();
+}
+
+#endif  // !MJOLNIR_PORTABLE_TARGET
+
+}  // namespace mjolnir::cpu::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#endif  // MJOLNIR_CPU_KV_DECODE_INL_H_

@@ -1,0 +1,95 @@
+// The online softmax of one tile (DESIGN.md section 4, steps 3 and 4), vectorized over the tile's
+// tokens, for the CPU kernel (attention_kernel.cc). Per-target header, see kv_decode-inl.h.
+
+#if defined(MJOLNIR_CPU_ONLINE_SOFTMAX_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef MJOLNIR_CPU_ONLINE_SOFTMAX_INL_H_
+#undef MJOLNIR_CPU_ONLINE_SOFTMAX_INL_H_
+#else
+#define MJOLNIR_CPU_ONLINE_SOFTMAX_INL_H_
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <limits>
+
+#include "core/minifloat.h"
+#include "cpu/exp2-inl.h"
+#include "cpu/item_context.h"
+#include "cpu/kv_decode-inl.h"
+#include "cpu/minifloat_simd-inl.h"
+#include "hwy/highway.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace mjolnir::cpu::HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+#if !MJOLNIR_PORTABLE_TARGET
+
+struct RowState {
+  float* m;      // [R] running max, log2 units
+  float* l;      // [R] running sum of fp32 p
+  float* alpha;  // [R] this tile's rescale of the accumulator
+};
+
+// Step 3 (and 4) for one tile of `count` tokens starting at KV position `first`: per row, mask
+// what it may not see, update max and sum, and write P (rounded per mode, times 2^p_exp) into
+// probs [R][stride]; rows that see none of the tile keep their state (alpha = 1, P = 0).
+void SoftmaxTile(const ItemContext& it, float* HWY_RESTRICT scores, float* HWY_RESTRICT probs,
+                 std::size_t stride, int first, int count, int p_exp, const RowState& state) {
+  const WideFloatTag df;
+  const std::size_t n = hn::Lanes(df);
+  const std::size_t padded = (std::size_t(count) + n - 1) / n * n;
+  const float p_scale = std::ldexp(1.0f, p_exp);
+  for (int r = 0; r < it.rows; ++r) {
+    const int t = r / it.g;
+    const int last = it.causal ? it.seq_len - it.q_len + t : it.seq_len - 1;
+    const int live = std::clamp(last - first + 1, 0, count);
+    float* s = scores + std::size_t(r) * stride;
+    float* p = probs + std::size_t(r) * stride;
+    if (live == 0) {
+      state.alpha[r] = 1.0f;
+      std::fill(p, p + padded, 0.0f);
+      continue;
+    }
+    std::fill(s + live, s + padded, -std::numeric_limits<float>::infinity());
+    auto vmax = hn::Set(df, -std::numeric_limits<float>::infinity());
+    for (std::size_t i = 0; i < padded; i += n) vmax = hn::Max(vmax, hn::Load(df, s + i));
+    const float m_old = state.m[r];
+    const float m_new = std::max(m_old, hn::GetLane(hn::MaxOfLanes(df, vmax)));
+    const auto vm = hn::Set(df, m_new);
+    auto sum = hn::Zero(df);
+    float tile_sum;
+    if (it.p_mode == PMode::fp32) {
+      for (std::size_t i = 0; i < padded; i += n) {
+        const auto pv = Exp2Fast(df, hn::Sub(hn::Load(df, s + i), vm), p_exp);
+        sum = hn::Add(sum, pv);
+        hn::Store(pv, df, p + i);
+      }
+      tile_sum = hn::GetLane(hn::SumOfLanes(df, sum)) / p_scale;
+    } else {
+      const auto vscale = hn::Set(df, p_scale);
+      const auto fp8_scale = hn::Set(df, 256.0f);
+      for (std::size_t i = 0; i < padded; i += n) {
+        const auto pv = Exp2Exact(df, hn::Sub(hn::Load(df, s + i), vm));
+        sum = hn::Add(sum, pv);
+        const auto used = it.p_mode == PMode::bf16
+                              ? RoundToMinifloat<kBf16Spec>(df, pv)
+                              : RoundToMinifloat<kE4M3Spec>(df, hn::Mul(pv, fp8_scale));
+        hn::Store(hn::Mul(used, vscale), df, p + i);
+      }
+      tile_sum = hn::GetLane(hn::SumOfLanes(df, sum));
+    }
+    const float alpha = std::exp2(m_old - m_new);  // 0 on the row's first tile (m_old = -inf)
+    state.alpha[r] = alpha;
+    state.l[r] = state.l[r] * alpha + tile_sum;
+    state.m[r] = m_new;
+  }
+}
+
+#endif  // !MJOLNIR_PORTABLE_TARGET
+
+}  // namespace mjolnir::cpu::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#endif  // MJOLNIR_CPU_ONLINE_SOFTMAX_INL_H_

@@ -1,0 +1,164 @@
+// The fast row encoder (see row_encoder.h), compiled per Highway target and dispatched at run
+// time; the fallback target divides and calls the scalar encode_row.
+#include "cpu/simd_targets.h"
+
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "cpu/row_encoder.cc"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+// Must come after foreach_target.h.
+#include "cpu/minifloat_simd-inl.h"
+#include "hwy/highway.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "core/minifloat.h"
+#include "cpu/row_encoder.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace mjolnir::cpu::HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+// Channels encoded per step: a multiple of every packing unit (fp6 groups of 4, fp4 pairs,
+// nvfp4 blocks of 16) and of every vector width.
+constexpr std::size_t kGroup = 32;
+
+#if MJOLNIR_PORTABLE_TARGET
+
+void EncodeScaledRow(Format format, std::span<const float> values, std::span<const float> scales,
+                     std::span<std::byte> row) {
+  std::vector<float> scaled(values.size());
+  for (std::size_t c = 0; c < values.size(); ++c) {
+    scaled[c] = values[c] / scales[scales.size() == 1 ? 0 : c];
+  }
+  encode_row(format, scaled, row);
+}
+
+#else
+
+using FloatTag = hn::CappedTag<float, 16>;
+
+// values[c] / scale into out[0..kGroup).
+void ScaleGroup(const float* values, std::span<const float> scales, std::size_t first, float* out) {
+  const FloatTag df;
+  const std::size_t n = hn::Lanes(df);
+  for (std::size_t i = 0; i < kGroup; i += n) {
+    const auto s = scales.size() == 1 ? hn::Set(df, scales[0]) : hn::LoadU(df, &scales[first + i]);
+    hn::Store(hn::Div(hn::LoadU(df, values + first + i), s), df, out + i);
+  }
+}
+
+template <MinifloatSpec kSpec>
+void EncodeGroup(const float* scaled, std::uint32_t* codes) {
+  const FloatTag df;
+  const hn::RebindToUnsigned<decltype(df)> du;
+  for (std::size_t i = 0; i < kGroup; i += hn::Lanes(df)) {
+    hn::Store(EncodeMinifloat<kSpec>(df, hn::Load(df, scaled + i)), du, codes + i);
+  }
+}
+
+template <MinifloatSpec kSpec>
+void EncodePlain(std::span<const float> values, std::span<const float> scales, std::byte* row) {
+  alignas(64) float scaled[kGroup];
+  alignas(64) std::uint32_t codes[kGroup];
+  for (std::size_t first = 0; first < values.size(); first += kGroup) {
+    ScaleGroup(values.data(), scales, first, scaled);
+    EncodeGroup<kSpec>(scaled, codes);
+    if constexpr (kSpec.total_bits() == 16) {
+      for (std::size_t i = 0; i < kGroup; ++i) {
+        row[2 * (first + i)] = std::byte(codes[i] & 0xFF);
+        row[2 * (first + i) + 1] = std::byte(codes[i] >> 8);
+      }
+    } else if constexpr (kSpec.total_bits() == 8) {
+      for (std::size_t i = 0; i < kGroup; ++i) row[first + i] = std::byte(codes[i]);
+    } else if constexpr (kSpec.total_bits() == 6) {
+      std::byte* out = row + first / 4 * 3;
+      for (std::size_t i = 0; i < kGroup; i += 4) {
+        const std::uint32_t word =
+            codes[i] | codes[i + 1] << 6 | codes[i + 2] << 12 | codes[i + 3] << 18;
+        out[i / 4 * 3] = std::byte(word & 0xFF);
+        out[i / 4 * 3 + 1] = std::byte((word >> 8) & 0xFF);
+        out[i / 4 * 3 + 2] = std::byte(word >> 16);
+      }
+    } else {
+      for (std::size_t i = 0; i < kGroup; i += 2) {
+        row[(first + i) / 2] = std::byte(codes[i] | codes[i + 1] << 4);
+      }
+    }
+  }
+}
+
+// nvfp4: per block of 16, scale = e4m3(amax / 6) (at least the smallest code when the block is
+// not zero) and codes e2m1(value / decoded scale), as format.cc defines it.
+void EncodeNvfp4(std::span<const float> values, std::span<const float> scales, std::byte* row) {
+  const FloatTag df;
+  const hn::RebindToUnsigned<decltype(df)> du;
+  const std::size_t n = hn::Lanes(df);
+  const std::size_t head_dim = values.size();
+  std::byte* block_scales = row + head_dim / 2;
+  alignas(64) float scaled[kGroup];
+  alignas(64) std::uint32_t codes[kGroup];
+  for (std::size_t first = 0; first < head_dim; first += kGroup) {
+    ScaleGroup(values.data(), scales, first, scaled);
+    for (std::size_t b = 0; b < kGroup; b += kNvfp4BlockSize) {
+      float amax = 0.0f;
+      for (std::size_t i = 0; i < kNvfp4BlockSize; ++i) amax = std::max(amax, std::fabs(scaled[b + i]));
+      std::uint32_t scale_code = 0;
+      if (amax != 0.0f) {
+        scale_code = encode_minifloat<kE4M3Spec>(amax / 6.0f);
+        if (scale_code == 0) scale_code = 1;  // the smallest positive e4m3
+      }
+      block_scales[(first + b) / kNvfp4BlockSize] = std::byte(scale_code);
+      if (scale_code == 0) {
+        std::fill_n(codes + b, kNvfp4BlockSize, 0u);
+        continue;
+      }
+      const auto divisor = hn::Set(df, decode_minifloat<kE4M3Spec>(scale_code));
+      for (std::size_t i = 0; i < kNvfp4BlockSize; i += n) {
+        const auto x = hn::Div(hn::Load(df, scaled + b + i), divisor);
+        hn::StoreU(EncodeMinifloat<kE2M1Spec>(df, x), du, codes + b + i);
+      }
+    }
+    for (std::size_t i = 0; i < kGroup; i += 2) {
+      row[(first + i) / 2] = std::byte(codes[i] | codes[i + 1] << 4);
+    }
+  }
+}
+
+void EncodeScaledRow(Format format, std::span<const float> values, std::span<const float> scales,
+                     std::span<std::byte> row) {
+  std::byte* out = row.data();
+  switch (format) {
+    case Format::bf16: return EncodePlain<kBf16Spec>(values, scales, out);
+    case Format::fp16: return EncodePlain<kFp16Spec>(values, scales, out);
+    case Format::fp8_e4m3: return EncodePlain<kE4M3Spec>(values, scales, out);
+    case Format::fp8_e5m2: return EncodePlain<kE5M2Spec>(values, scales, out);
+    case Format::fp6_e2m3: return EncodePlain<kE2M3Spec>(values, scales, out);
+    case Format::fp6_e3m2: return EncodePlain<kE3M2Spec>(values, scales, out);
+    case Format::fp4_e2m1: return EncodePlain<kE2M1Spec>(values, scales, out);
+    case Format::nvfp4: return EncodeNvfp4(values, scales, out);
+  }
+}
+
+#endif  // MJOLNIR_PORTABLE_TARGET
+
+}  // namespace mjolnir::cpu::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+
+namespace mjolnir::cpu {
+
+HWY_EXPORT(EncodeScaledRow);
+
+void encode_scaled_row(Format format, std::span<const float> values, std::span<const float> scales,
+                       std::span<std::byte> row) {
+  HWY_DYNAMIC_DISPATCH(EncodeScaledRow)(format, values, scales, row);
+}
+
+}  // namespace mjolnir::cpu
+
+#endif  // HWY_ONCE

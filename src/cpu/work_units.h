@@ -1,0 +1,50 @@
+// How the CPU backend runs a plan: its work items grouped into units for the thread pool.
+//
+// The plan cuts a step into items of one KV head each (DESIGN.md section 5). On the CPU the
+// items of all KV heads of one chunk (same sequence, token range and split) run as one unit,
+// tile by tile, so each tile reads whole pages of the cache: contiguous memory in every layout,
+// which streams at the machine's read bandwidth, where one head's rows alone are scattered at
+// the token stride and stream at half of it or less. A chunk is cut into smaller units only to
+// give every thread work: into token parts when P is fp32 (their results merge by LSE, exact up
+// to fp32 rounding, as the contract allows), otherwise into groups of heads (bit-identical
+// P codes need the plan's own tiles and split points).
+#pragma once
+
+#include <cstddef>
+#include <vector>
+
+#include "mjolnir/plan.h"
+
+namespace mjolnir::cpu {
+
+struct WorkUnit {
+  int first_item = 0;   // plan.items[first_item, first_item + heads)
+  int heads = 0;
+  int kv_begin = 0;     // token range: the items' own, or one part of it
+  int kv_end = 0;
+  int part_slot = -1;   // -1: writes the items' outputs; else this unit's part slot
+};
+
+// A chunk cut into token parts: parts [first_slot, first_slot + parts) merge into the outputs of
+// plan.items[first_item, first_item + heads).
+struct PartMerge {
+  int first_item = 0;
+  int heads = 0;
+  int first_slot = 0;
+  int parts = 0;
+};
+
+struct UnitSchedule {
+  std::vector<WorkUnit> units;
+  std::vector<PartMerge> merges;
+  int part_slots = 0;
+};
+
+// Units for `plan` on `threads` threads; token parts only when `may_cut_tokens`.
+void make_units(const Plan& plan, int threads, bool may_cut_tokens, UnitSchedule& schedule);
+
+// Most part slots make_units uses with `threads` threads (it cuts tokens only when a step has
+// fewer chunks than threads), so workspaces can be sized up front.
+int max_part_slots(int threads);
+
+}  // namespace mjolnir::cpu

@@ -1,0 +1,415 @@
+// The CPU kernels' building blocks on every compiled SIMD target (Highway's per-target test
+// pattern): row decoders against the scalar decode_row, SIMD rounding and encoding against the
+// scalar codecs, both exp2s, the fast row encoder, and whole decode steps against the emulator.
+#include "cpu/simd_targets.h"
+
+#undef HWY_TARGET_INCLUDE
+// Found through the src/ include directory (tests/ is not on the include path).
+#define HWY_TARGET_INCLUDE "../tests/test_cpu_kernels.cc"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+// Must come after foreach_target.h.
+#include "cpu/exp2-inl.h"
+#include "cpu/kv_decode-inl.h"
+#include "cpu/minifloat_simd-inl.h"
+#include "hwy/highway.h"
+#include "hwy/tests/hwy_gtest.h"
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "core/minifloat.h"
+#include "cpu/attention_kernel.h"
+#include "cpu/row_encoder.h"
+#include "cpu/work_units.h"
+#include "mjolnir/format.h"
+#include "test_seed.h"
+#include "verify/case_matrix.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace mjolnir::cpu::HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+#if MJOLNIR_PORTABLE_TARGET
+
+// The fallback target runs the scalar path; the case-matrix tests below cover it.
+void TestDecoders() {}
+void TestRounding() {}
+void TestExp2() {}
+
+#else
+
+std::uint32_t Bits(float x) { return std::bit_cast<std::uint32_t>(x); }
+
+// Random packed rows of `format` whose codes are all finite (as write_kv stores them): encoded
+// from random floats over the whole range, plus rows that walk every code.
+std::vector<std::vector<std::byte>> TestRows(Format format, int head_dim, std::mt19937_64& rng) {
+  std::vector<std::vector<std::byte>> rows;
+  const std::size_t bytes = row_bytes(format, head_dim);
+  std::uniform_real_distribution<float> exponent(-30.0f, 20.0f);
+  std::vector<float> values(head_dim);
+  for (int i = 0; i < 20; ++i) {
+    for (float& v : values) v = std::exp2(exponent(rng)) * (rng() % 2 ? 1.0f : -1.0f);
+    if (i % 3 == 0) values[rng() % head_dim] = 0.0f;
+    rows.emplace_back(bytes);
+    encode_row(format, values, rows.back());
+  }
+  // Every code of the element format, in every channel position over the rows.
+  const int bits = element_bits(format);
+  const std::uint32_t codes = 1u << bits;
+  for (std::uint32_t start = 0; start < codes; start += head_dim) {
+    std::vector<float> walk(head_dim);
+    for (int c = 0; c < head_dim; ++c) {
+      std::uint32_t code = (start + c) % codes;
+      float v = decode_element(format, code);
+      if (!std::isfinite(v)) v = 1.0f;  // Inf / NaN codes never reach a cache
+      walk[c] = v;
+    }
+    rows.emplace_back(bytes);
+    encode_row(format, walk, rows.back());
+  }
+  return rows;
+}
+
+template <class Decoder>
+void CheckDecoder(Format format) {
+  std::mt19937_64 rng(mjolnir::testing::test_seed() ^ static_cast<std::uint64_t>(format));
+  for (int head_dim : {32, 64, 96, 128, 160, 256}) {
+    std::vector<std::int32_t> channel_of(head_dim);
+    ChannelOrder<Decoder>(head_dim, channel_of.data());
+    std::vector<bool> seen(head_dim, false);
+    for (int i = 0; i < head_dim; ++i) {
+      ASSERT_TRUE(channel_of[i] >= 0 && channel_of[i] < head_dim);
+      ASSERT_FALSE(seen[channel_of[i]]) << "channel order is not a permutation";
+      seen[channel_of[i]] = true;
+    }
+    auto raw = hwy::AllocateAligned<float>(head_dim);
+    std::vector<float> want(head_dim);
+    const float unscale = std::ldexp(1.0f, -Decoder::kRawExp);
+    for (const auto& row : TestRows(format, head_dim, rng)) {
+      // Decode from a copy that ends exactly at the row's end, so a read past it is caught by
+      // ASan, and from an odd address.
+      std::vector<std::byte> padded(row.size() + 1);
+      std::memcpy(padded.data() + 1, row.data(), row.size());
+      std::vector<std::byte> exact_copy(row.begin(), row.end());
+      decode_row(format, row, want);
+      for (const std::byte* src : {exact_copy.data(), padded.data() + 1}) {
+        DecodeRow<Decoder>(reinterpret_cast<const std::uint8_t*>(src), head_dim, raw.get());
+        for (int i = 0; i < head_dim; ++i) {
+          const float got = raw[i] * unscale;
+          const float w = want[channel_of[i]];
+          ASSERT_EQ(Bits(got), Bits(w)) << to_string(format) << " D" << head_dim << " channel "
+                                        << channel_of[i] << ": " << got << " vs " << w;
+        }
+      }
+    }
+  }
+}
+
+void TestDecoders() {
+  for (Format format : kAllFormats) {
+    VisitDecoder(format, [&]<class Decoder>() { CheckDecoder<Decoder>(format); });
+  }
+}
+
+// Floats to check roundings on: every float of a few binades around the format's edges, a
+// stride through all the others, and specials.
+std::vector<float> RoundingInputs(std::mt19937_64& rng) {
+  std::vector<float> x;
+  for (std::uint32_t bits = 0; bits < 0x7F800000u; bits += 4099) x.push_back(std::bit_cast<float>(bits));
+  for (int e : {-150, -134, -133, -127, -126, -125, -25, -24, -17, -16, -15, -14, -10, -9, -8, -7,
+                -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 8, 15, 16, 127}) {
+    const std::uint32_t base = e < -126 ? 0 : std::uint32_t(e + 127) << 23;
+    for (std::uint32_t m = 0; m < (1u << 23); m += (e < -126 ? 1 : 97)) {
+      x.push_back(std::bit_cast<float>(base | m));
+    }
+  }
+  for (int i = 0; i < 100000; ++i) x.push_back(std::bit_cast<float>(std::uint32_t(rng()) & 0x7FFFFFFFu));
+  x.push_back(std::numeric_limits<float>::infinity());
+  x.push_back(std::numeric_limits<float>::quiet_NaN());
+  x.push_back(std::bit_cast<float>(0x7FFFFFFFu));
+  const std::size_t positive = x.size();
+  for (std::size_t i = 0; i < positive; ++i) x.push_back(-x[i]);
+  while (x.size() % 64 != 0) x.push_back(0.0f);
+  return x;
+}
+
+template <MinifloatSpec kSpec>
+void CheckRounding(const std::vector<float>& inputs) {
+  const hn::CappedTag<float, 16> df;
+  const hn::RebindToUnsigned<decltype(df)> du;
+  const std::size_t n = hn::Lanes(df);
+  alignas(64) float rounded[16];
+  alignas(64) std::uint32_t codes[16];
+  for (std::size_t i = 0; i < inputs.size(); i += n) {
+    const auto x = hn::LoadU(df, &inputs[i]);
+    hn::Store(RoundToMinifloat<kSpec>(df, x), df, rounded);
+    hn::Store(EncodeMinifloat<kSpec>(df, x), du, codes);
+    for (std::size_t j = 0; j < n; ++j) {
+      const std::uint32_t want_code = encode_minifloat<kSpec>(inputs[i + j]);
+      const float want = decode_minifloat<kSpec>(want_code);
+      ASSERT_EQ(codes[j], want_code) << "encode " << inputs[i + j] << " (0x" << std::hex
+                                     << Bits(inputs[i + j]) << ")";
+      ASSERT_TRUE(Bits(rounded[j]) == Bits(want) || (std::isnan(want) && std::isnan(rounded[j])))
+          << "round " << inputs[i + j] << " (0x" << std::hex << Bits(inputs[i + j])
+          << "): " << rounded[j] << " vs " << want;
+    }
+  }
+}
+
+void TestRounding() {
+  std::mt19937_64 rng(mjolnir::testing::test_seed());
+  const std::vector<float> inputs = RoundingInputs(rng);
+  CheckRounding<kBf16Spec>(inputs);
+  CheckRounding<kFp16Spec>(inputs);
+  CheckRounding<kE4M3Spec>(inputs);
+  CheckRounding<kE5M2Spec>(inputs);
+  CheckRounding<kE2M3Spec>(inputs);
+  CheckRounding<kE3M2Spec>(inputs);
+  CheckRounding<kE2M1Spec>(inputs);
+}
+
+void TestExp2() {
+  const hn::CappedTag<float, 16> df;
+  const std::size_t n = hn::Lanes(df);
+  // Every float in [-160, 0] is checked for the libm replica: a stride of 1 would be 1.1e9
+  // floats; a coprime stride covers every binade and mantissa pattern in a second.
+  std::vector<float> x;
+  for (std::uint32_t bits = 0x80000000u; bits <= 0xC3200000u; bits += 61) x.push_back(std::bit_cast<float>(bits));
+  x.push_back(-std::numeric_limits<float>::infinity());
+  x.push_back(-150.0f);
+  x.push_back(-149.5f);
+  while (x.size() % n != 0) x.push_back(0.0f);
+  alignas(64) float libm[16], fast[16];
+  std::size_t mismatches = 0;
+  double worst_fast_ulps = 0;
+  for (std::size_t i = 0; i < x.size(); i += n) {
+    const auto v = hn::LoadU(df, &x[i]);
+    hn::Store(Exp2Exact(df, v), df, libm);
+    hn::Store(Exp2Fast(df, v, 0), df, fast);
+    for (std::size_t j = 0; j < n; ++j) {
+      const float want = std::exp2(x[i + j]);
+      if (Bits(libm[j]) != Bits(want)) ++mismatches;
+      if (want >= std::ldexp(1.0f, -126)) {
+        const double ulps = std::abs(double(fast[j]) - want) / std::ldexp(1.0, std::ilogb(want) - 23);
+        worst_fast_ulps = std::max(worst_fast_ulps, ulps);
+      } else if (x[i + j] < -126.0f) {
+        ASSERT_EQ(fast[j], 0.0f) << x[i + j];
+      }
+    }
+  }
+  // The FMA and non-FMA variants of glibc's exp2f round differently only where the double
+  // result sits within ~1e-16 of a float rounding boundary.
+  EXPECT_LE(mismatches, x.size() / 10000000 + 2) << "Exp2Exact differs from std::exp2";
+  EXPECT_LE(worst_fast_ulps, 2.0) << "Exp2Fast";
+  // Folding a power of two into Exp2Fast is exact.
+  alignas(64) float folded[16];
+  for (std::size_t i = 0; i < x.size(); i += n) {
+    const auto v = hn::LoadU(df, &x[i]);
+    hn::Store(Exp2Fast(df, v, 0), df, fast);
+    hn::Store(Exp2Fast(df, v, 100), df, folded);
+    for (std::size_t j = 0; j < n; ++j) {
+      ASSERT_EQ(Bits(std::ldexp(fast[j], 100)), Bits(folded[j])) << x[i + j];
+    }
+  }
+}
+
+#endif  // MJOLNIR_PORTABLE_TARGET
+
+// The fast row encoder against encode_row.
+void TestRowEncoder() {
+  std::mt19937_64 rng(mjolnir::testing::test_seed() + 7);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (Format format : kAllFormats) {
+    for (int head_dim : {32, 64, 96, 128, 256}) {
+      std::vector<float> values(head_dim), scales(head_dim);
+      std::vector<std::byte> want(row_bytes(format, head_dim)), got(want.size());
+      for (int trial = 0; trial < 200; ++trial) {
+        const float spread = std::exp2(float(int(rng() % 60) - 30));
+        for (int c = 0; c < head_dim; ++c) {
+          values[c] = normal(rng) * spread;
+          if (rng() % 17 == 0) values[c] = 0.0f;
+          if (rng() % 97 == 0) values[c] = spread * 1e6f;  // saturates
+          scales[c] = std::exp2(float(int(rng() % 8) - 4)) * (1.0f + float(rng() % 5) / 7);
+        }
+        if (trial % 5 == 0) std::fill(values.begin(), values.begin() + 16, 0.0f);  // zero block
+        const bool per_channel = trial % 2 == 0;
+        std::vector<float> scaled(head_dim);
+        for (int c = 0; c < head_dim; ++c) scaled[c] = values[c] / (per_channel ? scales[c] : scales[0]);
+        encode_row(format, scaled, want);
+        std::fill(got.begin(), got.end(), std::byte{0xA5});
+        encode_scaled_row(format, values, per_channel ? std::span<const float>(scales)
+                                                      : std::span<const float>(scales.data(), 1),
+                          got);
+        ASSERT_EQ(std::memcmp(got.data(), want.data(), want.size()), 0)
+            << to_string(format) << " D" << head_dim << " trial " << trial;
+      }
+    }
+  }
+}
+
+}  // namespace mjolnir::cpu::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+
+namespace mjolnir_cpu_kernel_tests {
+namespace cpu = mjolnir::cpu;
+namespace verify = mjolnir::verify;
+using mjolnir::BackendOptions;
+using mjolnir::Format;
+using mjolnir::PMode;
+using mjolnir::QMode;
+using mjolnir::ScaleGranularity;
+using mjolnir::kAllFormats;
+using mjolnir::kAllLayouts;
+using mjolnir::make_backend;
+using namespace mjolnir::cpu;  // the per-target functions HWY_EXPORT names
+
+HWY_BEFORE_TEST(CpuKernelTest);
+HWY_EXPORT_AND_TEST_P(CpuKernelTest, TestDecoders);
+HWY_EXPORT_AND_TEST_P(CpuKernelTest, TestRounding);
+HWY_EXPORT_AND_TEST_P(CpuKernelTest, TestExp2);
+HWY_EXPORT_AND_TEST_P(CpuKernelTest, TestRowEncoder);
+
+// Whole decode steps through the backend, once per target: the quick case matrix (every
+// format, layout, page size, D, g, q_len, mode) against the emulator and the exact reference,
+// plus odd shapes that straddle vector widths and tiles.
+class CpuKernelMatrix : public hwy::TestWithParamTarget {};
+HWY_TARGET_INSTANTIATE_TEST_SUITE_P(CpuKernelMatrix);
+
+TEST_P(CpuKernelMatrix, QuickMatrixMatchesEmulator) {
+  EXPECT_EQ(cpu::kernel_target(), hwy::TargetName(GetParam()));
+  const auto backend = make_backend("cpu", BackendOptions{.threads = 2});
+  for (const verify::Case& c : verify::case_matrix(true, mjolnir::testing::test_seed())) {
+    const verify::CaseResult r = verify::run_case(c, *backend);
+    EXPECT_NE(r.status, verify::CaseResult::Status::failed) << c.name() << ": " << r.message;
+  }
+}
+
+TEST_P(CpuKernelMatrix, OddShapesMatchEmulator) {
+  const auto backend = make_backend("cpu", BackendOptions{.threads = 2});
+  std::mt19937_64 rng(mjolnir::testing::test_seed() + 11);
+  int index = 0;
+  for (Format format : kAllFormats) {
+    for (int g : {1, 2, 3, 5, 8}) {
+      for (PMode p_mode : {PMode::fp32, PMode::bf16, PMode::fp8}) {
+        verify::Case c;
+        verify::ProblemSpec& s = c.spec;
+        s.format = format;
+        s.layout = kAllLayouts[index % 6];
+        s.page_size = 8 << (index % 3);
+        s.head_dim = 32 * (1 + index % 8);
+        s.group = g;
+        s.num_kv_heads = 1 + index % 2;
+        s.params.q_len = 1 + index % 3;
+        s.params.causal = index % 2 == 0;
+        s.params.q_mode = QMode(index % 3);
+        s.params.p_mode = p_mode;
+        s.granularity = ScaleGranularity(index % 3);
+        s.seed = rng();
+        c.tile_tokens = (index % 4 == 0) ? 24 : 16 << (index % 3);  // 24: a tile not a power of 2
+        c.splits = 1 + index % 3;
+        s.seq_lens = {1 + int(rng() % 3) * 0 + s.params.q_len, 113, c.tile_tokens * c.splits + 1,
+                      s.page_size + 1, s.page_size - 1 + s.params.q_len};
+        ++index;
+        const verify::CaseResult r = verify::run_case(c, *backend);
+        EXPECT_NE(r.status, verify::CaseResult::Status::failed) << c.name() << ": " << r.message;
+      }
+    }
+  }
+}
+
+// Every item's token range is covered exactly once by the units, and token parts merge back.
+TEST(CpuWorkUnits, CoverEveryItemOnce) {
+  std::mt19937_64 rng(mjolnir::testing::test_seed() + 17);
+  for (int trial = 0; trial < 300; ++trial) {
+    const int num_seqs = 1 + int(rng() % 4), hk = 1 + int(rng() % 8);
+    std::vector<std::int32_t> lens(num_seqs);
+    for (auto& len : lens) len = rng() % 5 == 0 ? 0 : 1 + int(rng() % 2000);
+    mjolnir::PlanOptions options;
+    options.workers = 1 + int(rng() % 4);
+    options.tile_tokens = 16 << (rng() % 3);
+    options.fixed_splits = rng() % 2 ? int(rng() % 4) : 0;
+    mjolnir::Plan plan(mjolnir::PlanCapacity{num_seqs, hk, 16});
+    mjolnir::make_plan(plan, lens, 1, hk, options);
+    for (int threads = 1; threads <= 5; ++threads) {
+      for (bool cut_tokens : {false, true}) {
+        cpu::UnitSchedule schedule;
+        cpu::make_units(plan, threads, cut_tokens, schedule);
+        ASSERT_LE(schedule.part_slots, cpu::max_part_slots(threads));
+        std::vector<std::vector<std::pair<int, int>>> covered(plan.num_items);
+        for (const cpu::WorkUnit& u : schedule.units) {
+          ASSERT_GT(u.heads, 0);
+          for (int i = u.first_item; i < u.first_item + u.heads; ++i) {
+            ASSERT_LT(i, plan.num_items);
+            covered[i].emplace_back(u.kv_begin, u.kv_end);
+          }
+          if (u.part_slot >= 0) {
+            bool merged = false;
+            for (const cpu::PartMerge& m : schedule.merges) {
+              merged |= m.first_item <= u.first_item && u.first_item < m.first_item + m.heads &&
+                        m.first_slot <= u.part_slot && u.part_slot < m.first_slot + m.parts;
+            }
+            ASSERT_TRUE(merged) << "part slot " << u.part_slot << " is never merged";
+          }
+        }
+        for (int i = 0; i < plan.num_items; ++i) {
+          auto& ranges = covered[i];
+          std::sort(ranges.begin(), ranges.end());
+          int at = plan.items[i].kv_begin;
+          for (const auto& [b, e] : ranges) {
+            ASSERT_EQ(b, at) << "item " << i << " threads " << threads;
+            at = e;
+          }
+          ASSERT_EQ(at, plan.items[i].kv_end) << "item " << i << " threads " << threads;
+        }
+      }
+    }
+  }
+}
+
+// Steps with fewer chunks than threads: the backend cuts chunks into token parts (P fp32) or
+// groups of heads (P rounded) so every thread works; results must not depend on it.
+TEST_P(CpuKernelMatrix, FewChunksCutForThreadsMatchEmulator) {
+  std::mt19937_64 rng(mjolnir::testing::test_seed() + 13);
+  int index = 0;
+  for (int threads : {2, 3, 4}) {
+    const auto backend = make_backend("cpu", BackendOptions{.threads = threads});
+    for (Format format : {Format::fp8_e4m3, Format::bf16, Format::nvfp4, Format::fp6_e3m2}) {
+      for (PMode p_mode : {PMode::fp32, PMode::bf16, PMode::fp8}) {
+        for (int len : {1, 17, 2 * 32 + 5, 300}) {
+          verify::Case c;
+          verify::ProblemSpec& s = c.spec;
+          s.format = format;
+          s.layout = kAllLayouts[index % 6];
+          s.page_size = 16;
+          s.head_dim = 64 + 64 * (index % 2);
+          s.group = 1 + index % 4;
+          s.num_kv_heads = 1 + index % 3;
+          s.params.q_len = std::min(len, 1 + index % 3);
+          s.params.causal = index % 2 == 1;
+          s.params.p_mode = p_mode;
+          s.params.q_mode = QMode(index % 3);
+          s.granularity = ScaleGranularity(index % 3);
+          s.seed = rng();
+          s.seq_lens = {len};
+          c.tile_tokens = 32;
+          c.splits = 1;
+          ++index;
+          const verify::CaseResult r = verify::run_case(c, *backend);
+          EXPECT_NE(r.status, verify::CaseResult::Status::failed)
+              << "threads " << threads << " " << c.name() << ": " << r.message;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace mjolnir_cpu_kernel_tests
+
+#endif  // HWY_ONCE
