@@ -6,6 +6,9 @@
 #include <cstring>
 
 #include "cpu/cpu_backend.h"
+#if MJOLNIR_HAS_CUDA
+#include "cuda/cuda_backend.h"
+#endif
 #include "mjolnir/error.h"
 #include "reference/emulator_backend.h"
 
@@ -91,17 +94,25 @@ std::size_t Backend::workspace_bytes(const Plan& plan, const CacheGeometry& geom
 
 std::vector<std::string> compiled_backends() {
   std::vector<std::string> names{"cpu", "reference"};
+#if MJOLNIR_HAS_CUDA
+  names.insert(names.begin(), "cuda");  // device arguments: see src/cuda/cuda_backend.h
+#endif
   return names;
 }
 
 std::unique_ptr<Backend> make_backend(std::string_view name, const BackendOptions& options) {
   if (name == "cpu") return cpu::make_cpu_backend(options);
   if (name == "reference") return reference::make_emulator_backend();
+#if MJOLNIR_HAS_CUDA
+  if (name == "cuda") return cuda::make_cuda_backend(options);
+  detail::throw_error("backend: '", name, "' is not one of cuda, cpu, reference");
+#else
   if (name == "cuda") {
-    detail::throw_error("backend: 'cuda' is not in this build (the CUDA decode kernels are "
-                        "not implemented yet)");
+    detail::throw_error("backend: 'cuda' is not in this build (configure with nvcc found and "
+                        "MJOLNIR_CUDA=ON)");
   }
   detail::throw_error("backend: '", name, "' is not one of cpu, reference");
+#endif
 }
 
 void decode(const Backend& backend, const DecodeArgs& args, PlanOptions options) {

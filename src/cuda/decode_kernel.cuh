@@ -1,0 +1,538 @@
+// The decode kernel (one CTA per work item) and the LSE merge kernel of split sequences.
+//
+// v1 runs the numerics contract on CUDA cores in fp32, in the emulator's order of operations
+// (docs/cuda.md, "Numerics"): the QK dot products sum channels 0..D-1 one at a time, P.V adds
+// tokens in order, l sums the tile's p in order, and exp2 / log2 / exp / log are correctly
+// rounded. Only the format decode is parallel, and it is exact. So the Q codes and P codes are the
+// emulator's, and O matches it to the last bit except where the host's libm rounds differently.
+// A tensor-core path (mma e4m3 / wgmma) slots in as another CTA body behind the same
+// DecodeKernelParams and dispatch (decode_launch.cu); it will reorder the QK sums.
+//
+// Per work item (sequence, KV head, KV range [kv_begin, kv_end)) the CTA holds up to
+// pass_rows of the q_len * g query rows (more rows take several passes over the range) and
+// walks the range in tiles of T = tile_tokens (the online softmax's tile), each tile in
+// sub-tiles of sub_tokens: stage the raw K rows (cp.async, two stages in flight), decode them
+// once into fp32 shared memory, score every row against them; after the tile's last K
+// sub-tile, update the softmax state; then stage and decode the V sub-tiles and accumulate P.V.
+#pragma once
+
+#if defined(MJOLNIR_CUDA_EMULATION)
+#include "cuda/cpu_emulation.h"  // the kernels on CPU threads, for tests without a GPU
+#else
+#include <cuda_runtime.h>
+#endif
+
+#include <cstdint>
+
+#include "cuda/decode_params.h"
+#include "cuda/kv_codec.cuh"
+
+namespace mjolnir::cuda {
+
+// --- cp.async (sm_80+; every architecture this project builds for has it) ----------------------
+
+__device__ __forceinline__ void copy_async(void* smem, const void* global, int bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  switch (bytes) {
+    case 16:
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(address), "l"(global)
+                   : "memory");
+      return;
+    case 8:
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(address), "l"(global)
+                   : "memory");
+      return;
+    default:
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(address), "l"(global)
+                   : "memory");
+      return;
+  }
+#else
+  auto* dst = static_cast<std::uint8_t*>(smem);
+  const auto* src = static_cast<const std::uint8_t*>(global);
+  for (int i = 0; i < bytes; ++i) dst[i] = src[i];
+#endif
+}
+
+__device__ __forceinline__ void copy_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+// Waits until at most one committed group (the newest) is still in flight.
+__device__ __forceinline__ void copy_async_wait_all_but_newest() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ float warp_max(float x) {
+  for (int offset = 16; offset > 0; offset /= 2) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
+  }
+  return x;
+}
+
+// --- the decode CTA -----------------------------------------------------------------------------
+
+// Position in a work item's walk: tile `tile` of the range, K (kv 0) or V (kv 1), sub-tile `sub`.
+struct Stage {
+  int tile = 0;
+  int kv = 0;
+  int sub = 0;
+};
+
+template <Format kFormat>
+class DecodeCta {
+ public:
+  static constexpr int kThreads = kDecodeThreads;
+  static constexpr int kWarps = kThreads / 32;
+
+  __device__ DecodeCta(const DecodeKernelParams& p, std::uint8_t* smem, const StepHeader& header,
+                       const WorkItem& item)
+      : p_(p), item_(item), tile_tokens_(header.tile_tokens) {
+    const SeqEntry seq = reinterpret_cast<const SeqEntry*>(p.step + header.seqs_offset)[item.seq];
+    seq_len_ = seq.seq_len;
+    pages_ = reinterpret_cast<const std::int32_t*>(p.step + header.pages_offset) + seq.page_start;
+    const DecodeSmem layout =
+        decode_smem(p.pass_rows, p.head_dim, p.sub_tokens, p.score_stride, p.raw_row_stride);
+    raw_ = smem + layout.raw;
+    dec_ = reinterpret_cast<float*>(smem + layout.dec);
+    q_ = reinterpret_cast<float*>(smem + layout.q);
+    acc_ = reinterpret_cast<float*>(smem + layout.acc);
+    scores_ = reinterpret_cast<float*>(smem + layout.scores);
+    m_ = reinterpret_cast<float*>(smem + layout.m);
+    l_ = reinterpret_cast<float*>(smem + layout.l);
+    alpha_ = reinterpret_cast<float*>(smem + layout.alpha);
+    reduce_ = reinterpret_cast<float*>(smem + layout.reduce);
+  }
+
+  __device__ void run() {
+    if (item_.kv_begin >= item_.kv_end) {  // padding request: O = 0, LSE = -inf, reads nothing
+      write_empty_rows();
+      return;
+    }
+    prepare_query_scale();
+    for (pass_begin_ = 0; pass_begin_ < p_.rows; pass_begin_ += p_.pass_rows) {
+      pass_rows_ = min(p_.pass_rows, p_.rows - pass_begin_);
+      load_query_rows();
+      walk_range();
+      write_rows();
+      __syncthreads();  // the next pass overwrites q, acc and the softmax state
+    }
+  }
+
+ private:
+  // --- addressing ---
+
+  // Start of the packed K (kv 0) or V (kv 1) row of sequence position `position`.
+  __device__ const std::uint8_t* kv_row(int position, int kv) const {
+    const std::int64_t page = pages_[position >> p_.page_shift];
+    return p_.pool + page * p_.page_stride + std::int64_t(item_.kv_head) * p_.head_stride +
+           std::int64_t(position & (p_.page_size - 1)) * p_.token_stride +
+           std::int64_t(kv) * p_.kv_stride;
+  }
+
+  // Query row r = t * g + j of the item: token t of the sequence, head j of the group.
+  __device__ const float* query_row(int r) const {
+    const int t = r / p_.group, j = r - t * p_.group;
+    return p_.q + (std::int64_t(item_.seq) * p_.q_len + t) * p_.q_token_stride +
+           std::int64_t(item_.kv_head * p_.group + j) * p_.q_head_stride;
+  }
+
+  // Where row r's O goes: the output tensor, or the item's partial slot (PartialLayout).
+  __device__ float* output_row(int r) const {
+    if (item_.partial_slot < 0) {
+      const int t = r / p_.group, j = r - t * p_.group;
+      return p_.o + (std::int64_t(item_.seq) * p_.q_len + t) * p_.o_token_stride +
+             std::int64_t(item_.kv_head * p_.group + j) * p_.o_head_stride;
+    }
+    return p_.partial_o +
+           ((std::int64_t(item_.partial_slot) * p_.num_kv_heads + item_.kv_head) * p_.rows + r) *
+               p_.head_dim;
+  }
+  __device__ float* lse_slot(int r) const {
+    if (item_.partial_slot < 0) {
+      if (p_.lse == nullptr) return nullptr;
+      const int t = r / p_.group, j = r - t * p_.group;
+      return p_.lse + (std::int64_t(item_.seq) * p_.q_len + t) * p_.num_q_heads +
+             item_.kv_head * p_.group + j;
+    }
+    return p_.partial_lse +
+           (std::int64_t(item_.partial_slot) * p_.num_kv_heads + item_.kv_head) * p_.rows + r;
+  }
+
+  __device__ float k_scale_at(int c) const {
+    switch (static_cast<ScaleGranularity>(p_.granularity)) {
+      case ScaleGranularity::tensor:
+        return p_.k_scale[0];
+      case ScaleGranularity::head:
+        return p_.k_scale[item_.kv_head];
+      case ScaleGranularity::channel:
+        return p_.k_scale[item_.kv_head * p_.head_dim + c];
+    }
+    return 1.0f;
+  }
+  __device__ float v_scale_at(int c) const {
+    switch (static_cast<ScaleGranularity>(p_.granularity)) {
+      case ScaleGranularity::tensor:
+        return p_.v_scale[0];
+      case ScaleGranularity::head:
+        return p_.v_scale[item_.kv_head];
+      case ScaleGranularity::channel:
+        return p_.v_scale[item_.kv_head * p_.head_dim + c];
+    }
+    return 1.0f;
+  }
+  __device__ bool channel_scales() const {
+    return static_cast<ScaleGranularity>(p_.granularity) == ScaleGranularity::channel;
+  }
+
+  // --- step 1 and the score scale ---
+
+  // q[c], times the K channel scale when scales are per channel.
+  __device__ float folded_query(int r, int c) const {
+    const float x = query_row(r)[c];
+    return channel_scales() ? __fmul_rn(x, k_scale_at(c)) : x;
+  }
+
+  // fp8 Q: sq = amax / 448 over all q_len * g rows and channels (every pass and every chunk of
+  // the sequence recomputes the same amax). Then score_scale = sq * k_outer * softmax_scale *
+  // log2(e), multiplied in that order as the emulator does.
+  __device__ void prepare_query_scale() {
+    sq_ = 1.0f;
+    if (static_cast<QMode>(p_.q_mode) == QMode::fp8) {
+      float amax = 0.0f;
+      for (int e = threadIdx.x; e < p_.rows * p_.head_dim; e += kThreads) {
+        const int r = e / p_.head_dim;
+        amax = host_max(amax, fabsf(folded_query(r, e - r * p_.head_dim)));
+      }
+      amax = block_max(amax);
+      if (amax > 0.0f) sq_ = __fdiv_rn(amax, kFp8Max);
+    }
+    const float k_outer = channel_scales() ? 1.0f : k_scale_at(0);
+    score_scale_ = __fmul_rn(__fmul_rn(__fmul_rn(sq_, k_outer), p_.softmax_scale), kLog2e);
+  }
+
+  __device__ float block_max(float x) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int offset = 16; offset > 0; offset /= 2) {
+      x = host_max(x, __shfl_xor_sync(0xffffffffu, x, offset));
+    }
+    if (lane == 0) reduce_[warp] = x;
+    __syncthreads();
+    float total = reduce_[0];
+    for (int w = 1; w < kWarps; ++w) total = host_max(total, reduce_[w]);
+    __syncthreads();
+    return total;
+  }
+
+  __device__ void load_query_rows() {
+    const int d = p_.head_dim;
+    for (int e = threadIdx.x; e < pass_rows_ * d; e += kThreads) {
+      const int r = e / d, c = e - r * d;
+      q_[e] = round_query(folded_query(pass_begin_ + r, c), p_.q_mode, sq_);
+      acc_[e] = 0.0f;
+    }
+    for (int r = threadIdx.x; r < pass_rows_; r += kThreads) {
+      m_[r] = -INFINITY;
+      l_[r] = 0.0f;
+      alpha_[r] = 1.0f;
+    }
+    __syncthreads();
+  }
+
+  // --- the walk over the item's range ---
+
+  __device__ int tile_begin(int tile) const { return item_.kv_begin + tile * tile_tokens_; }
+  __device__ int tile_count(int tile) const {
+    return min(tile_tokens_, item_.kv_end - tile_begin(tile));
+  }
+  __device__ int sub_first(const Stage& s) const {
+    return tile_begin(s.tile) + s.sub * p_.sub_tokens;
+  }
+  __device__ int sub_count(const Stage& s) const {
+    return min(p_.sub_tokens, tile_count(s.tile) - s.sub * p_.sub_tokens);
+  }
+  __device__ bool last_sub(const Stage& s) const {
+    return (s.sub + 1) * p_.sub_tokens >= tile_count(s.tile);
+  }
+  // The stage after `s`: the tile's next K sub-tile, its V sub-tiles, then the next tile.
+  __device__ bool advance(Stage& s) const {
+    if (!last_sub(s)) {
+      ++s.sub;
+      return true;
+    }
+    if (s.kv == 0) {
+      s.kv = 1;
+      s.sub = 0;
+      return true;
+    }
+    if (item_.kv_end - tile_begin(s.tile) > tile_tokens_) {
+      ++s.tile;
+      s.kv = 0;
+      s.sub = 0;
+      return true;
+    }
+    return false;
+  }
+
+  __device__ std::uint8_t* raw_stage(int buffer) const {
+    return raw_ + std::size_t(buffer) * p_.sub_tokens * p_.raw_row_stride;
+  }
+
+  // Starts copying the stage's rows into raw buffer `buffer` (cp.async when the rows allow
+  // 16-, 8- or 4-byte chunks; plain byte copies otherwise), then commits the group.
+  __device__ void issue_load(const Stage& s, int buffer) {
+    const int first = sub_first(s), count = sub_count(s);
+    std::uint8_t* dst = raw_stage(buffer);
+    const int chunk = p_.copy_bytes;
+    const int chunks_per_row = p_.row_bytes / chunk;
+    for (int e = threadIdx.x; e < count * chunks_per_row; e += kThreads) {
+      const int i = e / chunks_per_row;
+      const int offset = (e - i * chunks_per_row) * chunk;
+      const std::uint8_t* src = kv_row(first + i, s.kv) + offset;
+      std::uint8_t* to = dst + i * p_.raw_row_stride + offset;
+      if (chunk >= 4) {
+        copy_async(to, src, chunk);
+      } else {
+        *to = *src;
+      }
+    }
+    copy_async_commit();
+  }
+
+  // Raw rows of the stage -> dec_ [count][D + 1] floats, each channel decoded once.
+  __device__ void decode_stage(const Stage& s, int buffer) {
+    const int count = sub_count(s), d = p_.head_dim;
+    const std::uint8_t* src = raw_stage(buffer);
+    for (int e = threadIdx.x; e < count * d; e += kThreads) {
+      const int i = e / d, c = e - i * d;
+      dec_[i * (d + 1) + c] = decode_channel<kFormat>(src + i * p_.raw_row_stride, c, d);
+    }
+  }
+
+  // Step 2: s = (sum_c q[c] k[c]) * score_scale for every (row, token) of the K sub-tile, summed
+  // in channel order; masked positions get -inf. Lanes take consecutive tokens (the padded dec_
+  // rows keep them on distinct banks) and share a row (Q broadcast).
+  __device__ void score_stage(const Stage& s) {
+    const int first = sub_first(s), count = sub_count(s), d = p_.head_dim;
+    const int column = first - tile_begin(s.tile);
+    for (int e = threadIdx.x; e < pass_rows_ * p_.sub_tokens; e += kThreads) {
+      const int r = e / p_.sub_tokens, i = e - r * p_.sub_tokens;
+      if (i >= count) continue;
+      const int row = pass_begin_ + r;
+      const int t = row / p_.group;
+      const int last = p_.causal ? seq_len_ - p_.q_len + t : seq_len_ - 1;
+      float score = -INFINITY;
+      if (first + i <= last) {
+        const float* q = q_ + r * d;
+        const float* k = dec_ + i * (d + 1);
+        float dot = 0.0f;
+#pragma unroll 4
+        for (int c = 0; c < d; ++c) dot = __fadd_rn(dot, __fmul_rn(q[c], k[c]));
+        score = __fmul_rn(dot, score_scale_);
+      }
+      scores_[r * p_.score_stride + column + i] = score;
+    }
+  }
+
+  // Steps 3 and 4 for one tile, a warp per row: m_new, alpha, p = exp2(s - m_new), l, then P
+  // rounded in place. A row that sees no token of the tile keeps its state (alpha = 1, P = 0).
+  __device__ void softmax_tile(int tile) {
+    const int n = tile_count(tile);
+    const int lane = threadIdx.x & 31;
+    for (int r = threadIdx.x >> 5; r < pass_rows_; r += kWarps) {
+      float* row = scores_ + r * p_.score_stride;
+      float tile_max = -INFINITY;
+      for (int i = lane; i < n; i += 32) tile_max = fmaxf(tile_max, row[i]);
+      tile_max = warp_max(tile_max);
+      if (tile_max == -INFINITY) {
+        for (int i = lane; i < n; i += 32) row[i] = 0.0f;
+        if (lane == 0) alpha_[r] = 1.0f;
+        continue;
+      }
+      const float m_old = m_[r];
+      const float m_new = host_max(m_old, tile_max);
+      for (int i = lane; i < n; i += 32) {
+        const float score = row[i];
+        row[i] = score == -INFINITY ? 0.0f : exp2_rn(__fsub_rn(score, m_new));
+      }
+      __syncwarp();
+      if (lane == 0) {
+        float tile_sum = 0.0f;  // the fp32 p, in token order (masked ones add +0)
+        for (int i = 0; i < n; ++i) tile_sum = __fadd_rn(tile_sum, row[i]);
+        const float alpha = exp2_rn(__fsub_rn(m_old, m_new));  // 0 on the row's first tile
+        l_[r] = __fadd_rn(__fmul_rn(l_[r], alpha), tile_sum);
+        m_[r] = m_new;
+        alpha_[r] = alpha;
+      }
+      __syncwarp();
+      for (int i = lane; i < n; i += 32) row[i] = round_probability(row[i], p_.p_mode);
+    }
+  }
+
+  // Step 4's P.V for the V sub-tile: each thread owns fixed (row, channel) accumulators and adds
+  // the sub-tile's tokens in order; the tile's first V sub-tile first scales by alpha.
+  __device__ void accumulate_stage(const Stage& s) {
+    const int first = sub_first(s), count = sub_count(s), d = p_.head_dim;
+    const int column = first - tile_begin(s.tile);
+    for (int e = threadIdx.x; e < pass_rows_ * d; e += kThreads) {
+      const int r = e / d, c = e - r * d;
+      float a = acc_[e];
+      if (s.sub == 0) a = __fmul_rn(a, alpha_[r]);
+      const float* prob = scores_ + r * p_.score_stride + column;
+      const float* v = dec_ + c;
+      for (int i = 0; i < count; ++i) a = __fadd_rn(a, __fmul_rn(prob[i], v[i * (d + 1)]));
+      acc_[e] = a;
+    }
+  }
+
+  // Two raw buffers: stage n + 1 is in flight while stage n is decoded and used.
+  __device__ void walk_range() {
+    Stage current;
+    int buffer = 0;
+    issue_load(current, buffer);
+    for (;;) {
+      Stage next = current;
+      const bool has_next = advance(next);
+      if (has_next) {
+        issue_load(next, buffer ^ 1);
+      } else {
+        copy_async_commit();  // an empty group keeps the wait count uniform
+      }
+      copy_async_wait_all_but_newest();
+      __syncthreads();  // every thread's copies of `current` have landed
+      decode_stage(current, buffer);
+      __syncthreads();
+      if (current.kv == 0) {
+        score_stage(current);
+        if (last_sub(current)) {
+          __syncthreads();
+          softmax_tile(current.tile);
+        }
+      } else {
+        accumulate_stage(current);
+      }
+      __syncthreads();  // dec_ and the raw buffer are reused by the next stages
+      if (!has_next) break;
+      current = next;
+      buffer ^= 1;
+    }
+  }
+
+  // Step 5: o = acc * v_scale * (1 / (l * p_scale)), lse = (m + log2 l) * ln 2; rows that saw
+  // nothing: O = 0, LSE = -inf.
+  __device__ void write_rows() {
+    const int d = p_.head_dim;
+    const float p_scale = static_cast<PMode>(p_.p_mode) == PMode::fp8 ? kFp8PScale : 1.0f;
+    for (int e = threadIdx.x; e < pass_rows_ * d; e += kThreads) {
+      const int r = e / d, c = e - r * d;
+      const float l = l_[r];
+      float value = 0.0f;
+      if (l != 0.0f) {
+        const float inv_l = __fdiv_rn(1.0f, __fmul_rn(l, p_scale));
+        value = __fmul_rn(__fmul_rn(acc_[e], v_scale_at(c)), inv_l);
+      }
+      output_row(pass_begin_ + r)[c] = value;
+    }
+    for (int r = threadIdx.x; r < pass_rows_; r += kThreads) {
+      float* lse = lse_slot(pass_begin_ + r);
+      if (lse == nullptr) continue;
+      const float l = l_[r];
+      *lse = l == 0.0f ? -INFINITY : __fmul_rn(__fadd_rn(m_[r], log2_rn(l)), kLn2);
+    }
+  }
+
+  __device__ void write_empty_rows() {
+    const int d = p_.head_dim;
+    for (int e = threadIdx.x; e < p_.rows * d; e += kThreads) {
+      const int r = e / d;
+      output_row(r)[e - r * d] = 0.0f;
+    }
+    for (int r = threadIdx.x; r < p_.rows; r += kThreads) {
+      if (float* lse = lse_slot(r)) *lse = -INFINITY;
+    }
+  }
+
+  const DecodeKernelParams& p_;
+  const WorkItem item_;
+  const int tile_tokens_;
+  int seq_len_ = 0;
+  const std::int32_t* pages_ = nullptr;  // the sequence's physical pages, in order
+  std::uint8_t* raw_ = nullptr;
+  float* dec_ = nullptr;
+  float* q_ = nullptr;
+  float* acc_ = nullptr;
+  float* scores_ = nullptr;
+  float* m_ = nullptr;
+  float* l_ = nullptr;
+  float* alpha_ = nullptr;
+  float* reduce_ = nullptr;
+  float sq_ = 1.0f;
+  float score_scale_ = 0.0f;
+  int pass_begin_ = 0;
+  int pass_rows_ = 0;
+};
+
+// One CTA per work item of a fixed grid: CTAs past the uploaded plan's item count exit, so a
+// captured graph replays any plan that fits the capacity.
+template <Format kFormat>
+__global__ void __launch_bounds__(kDecodeThreads) decode_kernel(const DecodeKernelParams p) {
+  extern __shared__ __align__(16) std::uint8_t smem[];
+  const StepHeader header = *reinterpret_cast<const StepHeader*>(p.step);
+  if (static_cast<int>(blockIdx.x) >= header.num_items) return;
+  const WorkItem item = reinterpret_cast<const WorkItem*>(p.step + header.items_offset)[blockIdx.x];
+  DecodeCta<kFormat> cta(p, smem, header, item);
+  cta.run();
+}
+
+// Step 6, one CTA per (sequence, KV head) of a fixed grid: for every query row of a split
+// sequence, M = max lse_i, w_i = exp(lse_i - M) / sum_j exp(lse_j - M), O = sum_i w_i O_i (in
+// chunk order), L = M + log(sum_j exp(lse_j - M)); all chunks empty: O = 0, L = -inf.
+static __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const DecodeKernelParams p) {
+  const StepHeader header = *reinterpret_cast<const StepHeader*>(p.step);
+  const int b = blockIdx.x / p.num_kv_heads, h = blockIdx.x - b * p.num_kv_heads;
+  if (b >= header.num_seqs) return;
+  const SeqEntry seq = reinterpret_cast<const SeqEntry*>(p.step + header.seqs_offset)[b];
+  if (seq.num_splits <= 1) return;
+  const int d = p.head_dim;
+  const std::int64_t lse_step = std::int64_t(p.num_kv_heads) * p.rows;  // one slot further
+  const std::int64_t o_step = lse_step * d;
+  for (int r = 0; r < p.rows; ++r) {
+    const std::int64_t base = (std::int64_t(seq.first_partial) * p.num_kv_heads + h) * p.rows + r;
+    const float* partial_lse = p.partial_lse + base;
+    const float* partial_o = p.partial_o + base * d;
+    const int t = r / p.group, j = r - t * p.group;
+    float* out = p.o + (std::int64_t(b) * p.q_len + t) * p.o_token_stride +
+                 std::int64_t(h * p.group + j) * p.o_head_stride;
+    float* lse = p.lse == nullptr
+                     ? nullptr
+                     : p.lse + (std::int64_t(b) * p.q_len + t) * p.num_q_heads + h * p.group + j;
+    float max_lse = -INFINITY;
+    for (int s = 0; s < seq.num_splits; ++s) max_lse = host_max(max_lse, partial_lse[s * lse_step]);
+    if (max_lse == -INFINITY) {
+      for (int c = threadIdx.x; c < d; c += blockDim.x) out[c] = 0.0f;
+      if (threadIdx.x == 0 && lse != nullptr) *lse = -INFINITY;
+      continue;
+    }
+    float weight_sum = 0.0f;
+    for (int s = 0; s < seq.num_splits; ++s) {
+      weight_sum = __fadd_rn(weight_sum, exp_rn(__fsub_rn(partial_lse[s * lse_step], max_lse)));
+    }
+    for (int c = threadIdx.x; c < d; c += blockDim.x) {
+      float o = 0.0f;
+      for (int s = 0; s < seq.num_splits; ++s) {
+        const float w =
+            __fdiv_rn(exp_rn(__fsub_rn(partial_lse[s * lse_step], max_lse)), weight_sum);
+        o = __fadd_rn(o, __fmul_rn(w, partial_o[s * o_step + c]));
+      }
+      out[c] = o;
+    }
+    if (threadIdx.x == 0 && lse != nullptr) *lse = __fadd_rn(max_lse, log_rn(weight_sum));
+  }
+}
+
+}  // namespace mjolnir::cuda

@@ -1,0 +1,299 @@
+// The CUDA kernels' code run on the CPU (label "cpu", no GPU needed): the decode and merge
+// kernels of src/cuda/decode_kernel.cuh, with the launch configuration of decode_config.h and
+// the step buffer of step_layout.h, through verify::run_case against the emulator and the exact
+// references; and the write_kv kernels against the host write_kv, byte for byte. One CPU thread
+// per CUDA thread (src/cuda/cpu_emulation.h). This checks the kernels' indexing, masking, tiling,
+// row passes, splits and merge, and every format's codec on every build; what only a GPU shows
+// (races the barriers do not order, cp.async, the device's libm, resource limits) is left to the
+// "gpu" tests. MJOLNIR_CUDA_EMULATION_ALL=1 runs the whole quick matrix instead of a sample.
+#define MJOLNIR_CUDA_EMULATION 1
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <iostream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cuda/decode_config.h"
+#include "cuda/decode_kernel.cuh"
+#include "cuda/step_layout.h"
+#include "cuda/write_kv_kernel.cuh"
+#include "mjolnir/write_kv.h"
+#include "test_seed.h"
+#include "verify/case_matrix.h"
+
+namespace mjolnir::cuda {
+namespace {
+
+// Shared memory per CTA on an H100 / H200 (opt-in).
+constexpr std::size_t kHopperSmem = 227 * 1024;
+
+emulation::CtaRunner& runner() {
+  static emulation::CtaRunner pool(kDecodeThreads);
+  return pool;
+}
+
+template <typename Visit>
+void with_format(Format format, Visit&& visit) {
+  switch (format) {
+    case Format::bf16:
+      return visit.template operator()<Format::bf16>();
+    case Format::fp16:
+      return visit.template operator()<Format::fp16>();
+    case Format::fp8_e4m3:
+      return visit.template operator()<Format::fp8_e4m3>();
+    case Format::fp8_e5m2:
+      return visit.template operator()<Format::fp8_e5m2>();
+    case Format::fp6_e2m3:
+      return visit.template operator()<Format::fp6_e2m3>();
+    case Format::fp6_e3m2:
+      return visit.template operator()<Format::fp6_e3m2>();
+    case Format::fp4_e2m1:
+      return visit.template operator()<Format::fp4_e2m1>();
+    case Format::nvfp4:
+      return visit.template operator()<Format::nvfp4>();
+  }
+}
+
+// The kernels behind the Backend interface, on host memory: the step buffer packed as
+// DecodeStep::upload packs it, the configuration make_decode_config() picks for a device with
+// `smem_limit` bytes per CTA, and a fixed grid of the plan's capacity as a captured graph runs.
+class EmulatedKernels final : public Backend {
+ public:
+  explicit EmulatedKernels(std::size_t smem_limit, int score_tokens = 0)
+      : smem_limit_(smem_limit), score_tokens_(score_tokens) {}
+  std::string_view name() const override { return "cuda-emulated"; }
+  std::string unsupported_reason(const CacheGeometry&, const DecodeParams&) const override {
+    return {};
+  }
+  int workers() const override { return 8; }
+  void run(const DecodeArgs& args, const Plan& plan,
+           std::span<std::byte> workspace) const override {
+    validate(args);
+    const CacheGeometry& geo = args.cache.geometry;
+    std::size_t pages = 0;
+    for (int len : args.batch.seq_lens) pages += std::size_t(used_pages(len, geo.page_size));
+    std::vector<std::byte> step(
+        step_regions(plan.items.size(), std::size_t(plan.num_seqs), pages).end);
+    pack_step(args.batch, plan, geo.page_size, step.data());
+    LaunchShape shape;
+    shape.decode_ctas = static_cast<int>(plan.items.size());
+    shape.merge_ctas = plan.capacity.max_seqs * geo.num_kv_heads;
+    shape.score_tokens = std::max(plan.tile_tokens, score_tokens_);
+    shape.partial_slots = std::size_t(plan.capacity.max_seqs) * plan.capacity.max_splits;
+    const DecodeConfig config =
+        make_decode_config(args, args.cache.k_scale.data(), args.cache.v_scale.data(), step.data(),
+                           workspace, shape, smem_limit_);
+    EXPECT_LE(config.smem_bytes, kEmulatedSharedMemoryBytes);
+    last_pass_rows = config.params.pass_rows;
+    for (int b = 0; b < shape.decode_ctas; ++b) {
+      with_format(geo.format, [&]<Format kFormat>() {
+        runner().run(kDecodeThreads, unsigned(b), [&] { decode_kernel<kFormat>(config.params); });
+      });
+    }
+    for (int b = 0; b < shape.merge_ctas; ++b) {
+      runner().run(kMergeThreads, unsigned(b), [&] { merge_kernel(config.params); });
+    }
+  }
+  mutable int last_pass_rows = 0;
+
+ private:
+  std::size_t smem_limit_;
+  int score_tokens_;
+};
+
+struct Tally {
+  int cases = 0, bit_exact = 0, multi_pass = 0;
+  double worst = 0;
+};
+
+Tally run_all(const std::vector<verify::Case>& cases, const EmulatedKernels& backend) {
+  Tally tally;
+  for (const verify::Case& c : cases) {
+    const verify::CaseResult r = verify::run_case(c, backend);
+    EXPECT_EQ(r.status, verify::CaseResult::Status::passed) << c.name() << ": " << r.message;
+    ++tally.cases;
+    if (r.error_vs_emulator == 0) ++tally.bit_exact;
+    tally.worst = std::max(tally.worst, r.error_vs_emulator);
+    if (backend.last_pass_rows < c.spec.group * c.spec.params.q_len) ++tally.multi_pass;
+  }
+  std::cout << "[ emulated ] " << tally.cases << " cases, " << tally.bit_exact
+            << " bit-identical to the emulator, worst rel L2 " << tally.worst << ", "
+            << tally.multi_pass << " in several row passes" << std::endl;
+  return tally;
+}
+
+bool all_cases() {
+  const char* env = std::getenv("MJOLNIR_CUDA_EMULATION_ALL");
+  return env != nullptr && env[0] == '1';
+}
+
+TEST(CudaEmulated, DecodeMatchesTheEmulatorOnTheQuickMatrix) {
+  const auto matrix = verify::case_matrix(true, testing::test_seed());
+  std::vector<verify::Case> cases;
+  // A sample that still covers every format (the matrix holds 12 consecutive cases per format).
+  for (std::size_t i = 0; i < matrix.size(); i += all_cases() ? 1 : 5) cases.push_back(matrix[i]);
+  run_all(cases, EmulatedKernels(kHopperSmem));
+}
+
+verify::Case odd_case(Format format, Layout layout, int page, int d, int g, int q_len, bool causal,
+                      int splits, int tile, QMode q_mode, PMode p_mode,
+                      ScaleGranularity granularity, std::vector<std::int32_t> lens,
+                      std::uint64_t seed) {
+  verify::Case c;
+  verify::ProblemSpec& s = c.spec;
+  s.format = format;
+  s.layout = layout;
+  s.page_size = page;
+  s.head_dim = d;
+  s.group = g;
+  s.num_kv_heads = 2;
+  s.params.q_len = q_len;
+  s.params.causal = causal;
+  s.params.q_mode = q_mode;
+  s.params.p_mode = p_mode;
+  s.granularity = granularity;
+  s.seq_lens = std::move(lens);
+  s.seed = seed;
+  s.extra_pages = 1;
+  c.splits = splits;
+  c.tile_tokens = tile;
+  return c;
+}
+
+// Shapes outside the matrix: D 32, 96, 160, 224; pages 8 and 256; groups 3, 5, 16; q_len 8;
+// tiles 7 and 48; rows (nvfp4 D 96, 54 bytes) that only allow byte copies; shared memory sized
+// for a larger tile than the plan's.
+TEST(CudaEmulated, OddShapes) {
+  std::uint64_t seed = testing::test_seed();
+  std::vector<verify::Case> cases;
+  int i = 0;
+  for (Format f : kAllFormats) {
+    switch (i++ % 4) {
+      case 0:
+        cases.push_back(odd_case(f, Layout::BHN2D, 8, 96, 3, 3, true, 2, 16, QMode::fp8,
+                                 PMode::bf16, ScaleGranularity::channel, {70, 3, 0}, seed++));
+        break;
+      case 1:
+        cases.push_back(odd_case(f, Layout::_2BHND, 256, 32, 16, 8, false, 3, 64, QMode::bf16,
+                                 PMode::fp8, ScaleGranularity::head, {290, 9, 60}, seed++));
+        break;
+      case 2:
+        cases.push_back(odd_case(f, Layout::B2HND, 32, 160, 1, 1, true, 1, 48, QMode::fp32,
+                                 PMode::fp32, ScaleGranularity::tensor, {1, 33, 97}, seed++));
+        break;
+      default:
+        cases.push_back(odd_case(f, Layout::BNH2D, 16, 224, 5, 2, true, 4, 7, QMode::fp8,
+                                 PMode::fp8, ScaleGranularity::channel, {129, 2, 0, 45}, seed++));
+        break;
+    }
+  }
+  cases.push_back(odd_case(Format::nvfp4, Layout::B2NHD, 16, 96, 2, 2, true, 2, 32, QMode::fp32,
+                           PMode::bf16, ScaleGranularity::head, {77, 20}, seed++));
+  run_all(cases, EmulatedKernels(kHopperSmem, 128));
+}
+
+// A device with less shared memory: the query rows no longer fit one pass.
+TEST(CudaEmulated, SeveralRowPasses) {
+  std::uint64_t seed = testing::test_seed() + 7;
+  const std::vector<verify::Case> cases = {
+      odd_case(Format::bf16, Layout::B2NHD, 16, 256, 8, 4, true, 3, 64, QMode::fp8, PMode::bf16,
+               ScaleGranularity::channel, {150, 40, 0}, seed++),
+      odd_case(Format::fp6_e2m3, Layout::BHN2D, 32, 128, 16, 2, false, 1, 32, QMode::fp32,
+               PMode::fp8, ScaleGranularity::head, {90, 5}, seed++),
+  };
+  const Tally tally = run_all(cases, EmulatedKernels(72 * 1024));
+  EXPECT_EQ(tally.multi_pass, int(cases.size()));
+}
+
+// write_kv kernels vs the host write_kv: every format, every granularity, the layouts cycling.
+TEST(CudaEmulated, WriteKvMatchesTheHostBitForBit) {
+  std::mt19937_64 rng(testing::test_seed());
+  int layout_index = 0;
+  for (Format format : kAllFormats) {
+    for (auto granularity :
+         {ScaleGranularity::tensor, ScaleGranularity::head, ScaleGranularity::channel}) {
+      const Layout layout = kAllLayouts[layout_index++ % std::size(kAllLayouts)];
+      SCOPED_TRACE(std::string(to_string(format)) + "/" + std::string(to_string(layout)) + "/" +
+                   std::string(to_string(granularity)));
+      const CacheGeometry geo{format, 5, 8, 2, 64};
+      std::uniform_real_distribution<float> scale(0.25f, 2.0f);
+      std::vector<float> k_scale, v_scale;
+      for (std::size_t i = 0; i < scale_count(granularity, 2, 64); ++i) {
+        k_scale.push_back(scale(rng));
+        v_scale.push_back(scale(rng));
+      }
+      const std::vector<std::int64_t> slots{0, 7, -1, 8, 21, 39, 30, -5, 15, 16, -1, 33};
+      const std::int64_t head_stride = 67, token_stride = 2 * head_stride + 5;
+      std::vector<float> k(slots.size() * token_stride), v(k.size());
+      std::uniform_real_distribution<float> mantissa(1.0f, 2.0f);
+      std::uniform_int_distribution<int> exponent(-20, 12), special(0, 15);
+      for (std::vector<float>* values : {&k, &v}) {
+        for (float& x : *values) {
+          x = std::ldexp(mantissa(rng), exponent(rng));
+          if (rng() & 1) x = -x;
+          const int s = special(rng);
+          if (s == 0) x = 0.0f;
+          if (s == 1) x = -0.0f;
+          if (s == 2) x = 1e30f;  // saturates
+        }
+      }
+      for (int c = 16; c < 32; ++c) k[token_stride + c] = 0.0f;  // an all-zero nvfp4 block
+
+      KvCacheView view;
+      view.geometry = geo;
+      view.strides = layout_strides(geo, layout);
+      view.bytes = pool_bytes(geo);
+      view.granularity = granularity;
+      view.k_scale = k_scale;
+      view.v_scale = v_scale;
+      std::vector<std::byte> host(view.bytes, std::byte{0xA5}), device(view.bytes, std::byte{0xA5});
+      view.data = host.data();
+      write_kv(view, TokenRows{k.data(), token_stride, head_stride},
+               TokenRows{v.data(), token_stride, head_stride}, slots);
+
+      write_detail::WriteParams p;
+      p.pool = reinterpret_cast<std::uint8_t*>(device.data());
+      p.page_stride = view.strides.page;
+      p.head_stride = view.strides.head;
+      p.token_stride = view.strides.token;
+      p.kv_stride = view.strides.kv;
+      p.num_slots = 40;
+      p.page_size = 8;
+      p.head_dim = 64;
+      p.num_kv_heads = 2;
+      p.granularity = static_cast<int>(granularity);
+      p.k = k.data();
+      p.k_token_stride = token_stride;
+      p.k_head_stride = head_stride;
+      p.v = v.data();
+      p.v_token_stride = token_stride;
+      p.v_head_stride = head_stride;
+      p.k_scale = k_scale.data();
+      p.v_scale = v_scale.data();
+      p.slots = slots.data();
+      unsigned long long status = write_detail::kNoError;
+      p.status = &status;
+      for (unsigned t = 0; t < slots.size(); ++t) {
+        runner().run(write_detail::kWriteThreads, t, [&] { write_detail::check_kernel(p); });
+      }
+      ASSERT_EQ(status, write_detail::kNoError);
+      with_format(format, [&]<Format kFormat>() {
+        for (unsigned t = 0; t < slots.size(); ++t) {
+          runner().run(write_detail::kWriteThreads, t,
+                       [&] { write_detail::write_kernel<kFormat>(p); });
+        }
+      });
+      for (std::size_t i = 0; i < host.size(); ++i) {
+        ASSERT_EQ(int(device[i]), int(host[i])) << "pool byte " << i;
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace mjolnir::cuda
