@@ -51,7 +51,7 @@ double unit_roundoff(Format format) {
 }
 
 double emulator_tolerance(const DecodeParams& params) {
-  return params.p_mode == PMode::fp8 || params.q_mode == QMode::fp8 ? 1e-4 : 2e-6;
+  return params.p_mode == PMode::fp8 || params.q_mode == QMode::fp8 ? 1e-4 : 1e-5;
 }
 
 double mode_error_bound(const DecodeParams& params) {
