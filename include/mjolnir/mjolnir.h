@@ -218,8 +218,8 @@ MJOLNIR_API mjolnir_status mjolnir_write_kv(mjolnir_cache* cache, const float* k
 typedef struct mjolnir_backend mjolnir_backend;
 
 /* name: "cpu" (threads: worker threads, 0 = all cores) or "reference" (the bit-faithful
- * emulator, single-threaded; threads is ignored). "cuda" is MJOLNIR_ERROR_UNSUPPORTED until the
- * CUDA backend exists. */
+ * emulator, single-threaded; threads is ignored). "cuda" is MJOLNIR_ERROR_UNSUPPORTED through the
+ * C API for now: the CUDA backend takes device memory, which this API does not yet describe. */
 MJOLNIR_API mjolnir_status mjolnir_backend_create(const char* name, int32_t threads,
                                                   mjolnir_backend** out);
 MJOLNIR_API void mjolnir_backend_destroy(mjolnir_backend* backend);
