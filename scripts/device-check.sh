@@ -104,7 +104,8 @@ staged 180 150 ctest --test-dir "$build" -L gpu -j "$jobs" --timeout 180 --outpu
   --output-junit "$out/ctest-junit.xml" >"$out/ctest.log" 2>&1
 test_status=$?
 tests_line=$(grep -E "tests passed|tests failed" "$out/ctest.log" | tail -1)
-note "tests: ${tests_line:-no summary} (status $test_status)"
+tests_line="${tests_line:-no summary}; $(grep -c "(Skipped)" "$out/ctest.log") of them skipped"
+note "tests: $tests_line (status $test_status)"
 grep -h "\[ cuda     \]" "$out/ctest.log" | sort | uniq | head -12 >>"$summary"
 
 # --- 3. benchmark: the CUDA decode against the copy bandwidth ---------------------------------
@@ -229,11 +230,12 @@ fi
   echo
   echo "== device-check summary ($(elapsed) s; raw results in $out)"
   nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader 2>&1 | head -1
-  echo "tests: ${tests_line:-no summary}"
+  echo "tests: $tests_line"
   echo "cuda decode (graph replay) vs the measured copy bandwidth:"
   grep -E "^(device:|format |bf16 |fp16 |fp8_|fp6_|fp4_|nvfp4 )" "$out/bench.log" | head -30
   echo "baselines:"
   grep -E "^(torch_sdpa|flashinfer)" "$out/bench.log" | head -12
-  grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$out/sanitizer.log" | sort | uniq -c
+  echo "sanitizers:"
+  grep -E "ERROR SUMMARY|RACECHECK SUMMARY|status" "$out/sanitizer.log" | sort | uniq -c
 } | tee -a "$summary"
 exit $((test_status != 0))

@@ -60,6 +60,10 @@ void RunWorkUnit(const DecodeArgs& args, const Plan& plan, const WorkItem* items
     for (int r = 0; r < rows; ++r) {
       std::copy_n(&scratch.portable.o[std::size_t(r) * d], d, outs[h].o[r]);
       if (outs[h].lse[r] != nullptr) *outs[h].lse[r] = scratch.portable.lse[r];
+      if (outs[h].stats != nullptr) {
+        outs[h].stats[r][0] = scratch.portable.m[r];
+        outs[h].stats[r][1] = scratch.portable.l[r];
+      }
     }
   }
 }
@@ -391,8 +395,8 @@ void RunUnit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, in
             float* dst = keys_natural + std::size_t(t) * d;
             if (natural) {
               const auto f = hn::Set(df, raw_k_to_true);
-              for (int c = 0; c < d; c += int(hn::Lanes(df))) {
-                hn::Store(hn::Mul(hn::Load(df, keys + c), f), df, dst + c);
+              for (int c = 0; c < d; c += int(hn::Lanes(df))) {  // x * f + (-0): see DecodeNvfp4
+                hn::Store(hn::MulAdd(hn::Load(df, keys + c), f, hn::Set(df, -0.0f)), df, dst + c);
               }
             } else {
               for (int i = 0; i < d; ++i) dst[channel_of[i]] = keys[i] * raw_k_to_true;
@@ -436,6 +440,10 @@ void RunUnit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, in
       float* o = outs[h].o[r];
       float* lse = outs[h].lse[r];
       const float l = hs.state.l[r];
+      if (outs[h].stats != nullptr) {
+        outs[h].stats[r][0] = hs.state.m[r];
+        outs[h].stats[r][1] = l;
+      }
       if (l == 0.0f) {
         std::fill(o, o + d, 0.0f);
         if (lse != nullptr) *lse = kNegInf;

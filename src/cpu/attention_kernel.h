@@ -23,6 +23,9 @@ namespace mjolnir::cpu {
 struct ItemOutput {
   float* const* o = nullptr;    // [rows]
   float* const* lse = nullptr;  // [rows]
+  // Optional [rows]: the row's softmax state, {m (log2 units), l}, two floats. Token parts of a
+  // chunk merge from it without the rounding of the float LSE (work_units.h).
+  float* const* stats = nullptr;
 };
 
 // One worker thread's buffers, grown on first use and reused across items and calls.

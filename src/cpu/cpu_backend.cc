@@ -6,6 +6,7 @@
 #include <cmath>
 #include <limits>
 #include <mutex>
+#include <numbers>
 
 #include "cpu/attention_kernel.h"
 #include "cpu/thread_pool.h"
@@ -52,6 +53,39 @@ void merge_row(const float* partial_o, const float* partial_lse, std::size_t o_s
   if (lse) *lse = max_lse + std::log(weight_sum);
 }
 
+// Token parts of one chunk (work_units.h) into the chunk's result for one query row, from each
+// part's normalized O and softmax state {m, l}: weights 2^(m_i - M) l_i, in double, so the merge
+// adds no rounding beyond the final one. Writes O and the natural-log LSE of the whole chunk,
+// (M + log2 sum_i 2^(m_i - M) l_i) ln 2, as an unsplit run computes it.
+void merge_parts_row(const float* part_o, const float* part_stats, std::size_t o_stride,
+                     std::size_t stats_stride, int parts, int d, float* o, float* lse) {
+  float max_m = -std::numeric_limits<float>::infinity();
+  for (int s = 0; s < parts; ++s) {
+    const float* st = part_stats + s * stats_stride;
+    if (st[1] > 0.0f) max_m = std::max(max_m, st[0]);
+  }
+  if (max_m == -std::numeric_limits<float>::infinity()) {
+    std::fill(o, o + d, 0.0f);
+    if (lse) *lse = max_m;
+    return;
+  }
+  double weights[kMaxParts];
+  double total = 0;
+  for (int s = 0; s < parts; ++s) {
+    const float* st = part_stats + s * stats_stride;
+    weights[s] = st[1] > 0.0f ? std::exp2(double(st[0]) - max_m) * st[1] : 0.0;
+    total += weights[s];
+  }
+  for (int c = 0; c < d; ++c) {
+    double sum = 0;
+    for (int s = 0; s < parts; ++s) sum += weights[s] * part_o[s * o_stride + c];
+    o[c] = static_cast<float>(sum / total);
+  }
+  if (lse) {
+    *lse = static_cast<float>((max_m + std::log2(total)) * std::numbers::ln2_v<double>);
+  }
+}
+
 // Below this much merge work (floats of O rows), merging on the calling thread is faster than
 // waking the others.
 constexpr std::int64_t kParallelMergeFloats = 1 << 16;
@@ -74,7 +108,7 @@ class CpuBackend final : public Backend {
     const PartialLayout parts{geometry.num_kv_heads, params.q_len * g, geometry.head_dim};
     return Backend::workspace_bytes(plan, geometry, params) +
            (parts.o_floats(max_part_slots(pool_.size())) +
-            parts.lse_floats(max_part_slots(pool_.size()))) * sizeof(float);
+            2 * parts.lse_floats(max_part_slots(pool_.size()))) * sizeof(float);
   }
 
   void run(const DecodeArgs& args, const Plan& plan,
@@ -91,7 +125,7 @@ class CpuBackend final : public Backend {
     float* partial_lse = partial_o + layout.o_floats(slots);
     // Token parts: the same layout, slot = part slot, head = the item's KV head.
     float* part_o = partial_lse + layout.lse_floats(slots);
-    float* part_lse = part_o + layout.o_floats(max_part_slots(pool_.size()));
+    float* part_stats = part_o + layout.o_floats(max_part_slots(pool_.size()));  // {m, l} per row
     const RowAddress out{args, g};
 
     // Where item `i`'s row r goes: the output, or its split partial slot.
@@ -113,6 +147,7 @@ class CpuBackend final : public Backend {
                      plan.items.begin() + unit.first_item + unit.heads);
       s.o_rows.resize(std::size_t(rows) * unit.heads);
       s.lse_rows.resize(std::size_t(rows) * unit.heads);
+      s.stats_rows.resize(std::size_t(rows) * unit.heads);
       s.outs.resize(unit.heads);
       for (int h = 0; h < unit.heads; ++h) {
         WorkItem& item = s.items[h];
@@ -120,15 +155,17 @@ class CpuBackend final : public Backend {
         item.kv_end = unit.kv_end;
         float** o_rows = &s.o_rows[std::size_t(h) * rows];
         float** lse_rows = &s.lse_rows[std::size_t(h) * rows];
+        float** stats_rows = &s.stats_rows[std::size_t(h) * rows];
         for (int r = 0; r < rows; ++r) {
           if (unit.part_slot < 0) {
             destination(item, r, o_rows[r], lse_rows[r]);
           } else {
             o_rows[r] = part_o + layout.o_offset(unit.part_slot, item.kv_head, r);
-            lse_rows[r] = part_lse + layout.lse_offset(unit.part_slot, item.kv_head, r);
+            lse_rows[r] = nullptr;
+            stats_rows[r] = part_stats + 2 * layout.lse_offset(unit.part_slot, item.kv_head, r);
           }
         }
-        s.outs[h] = ItemOutput{o_rows, lse_rows};
+        s.outs[h] = ItemOutput{o_rows, lse_rows, unit.part_slot < 0 ? nullptr : stats_rows};
       }
       run_work_unit(args, plan, s.items.data(), unit.heads, s.kernel, s.outs.data());
     });
@@ -155,12 +192,10 @@ class CpuBackend final : public Backend {
       for (int r = 0; r < rows; ++r) {
         float *o, *lse;
         destination(item, r, o, lse);
-        float lse_value;
-        merge_row(part_o + layout.o_offset(merge.first_slot, item.kv_head, r),
-                  part_lse + layout.lse_offset(merge.first_slot, item.kv_head, r),
-                  layout.o_offset(1, 0, 0), layout.lse_offset(1, 0, 0), merge.parts, d, o,
-                  &lse_value);
-        if (lse != nullptr) *lse = lse_value;
+        merge_parts_row(part_o + layout.o_offset(merge.first_slot, item.kv_head, r),
+                        part_stats + 2 * layout.lse_offset(merge.first_slot, item.kv_head, r),
+                        layout.o_offset(1, 0, 0), 2 * layout.lse_offset(1, 0, 0), merge.parts, d,
+                        o, lse);
       }
     });
 
@@ -187,7 +222,7 @@ class CpuBackend final : public Backend {
   struct WorkerScratch {
     KernelScratch kernel;
     std::vector<WorkItem> items;  // the unit's items, with the unit's token range
-    std::vector<float*> o_rows, lse_rows;
+    std::vector<float*> o_rows, lse_rows, stats_rows;
     std::vector<ItemOutput> outs;
   };
   mutable ThreadPool pool_;

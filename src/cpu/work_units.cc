@@ -44,7 +44,7 @@ void make_units(const Plan& plan, int threads, bool may_cut_tokens, UnitSchedule
     std::vector<WorkUnit> cut;
     for (const WorkUnit& chunk : units) {
       const int tiles = ceil_div(chunk.kv_end - chunk.kv_begin, tile);
-      const int p = std::min(parts, tiles);
+      const int p = std::min({parts, tiles, kMaxParts});
       if (p <= 1) {
         cut.push_back(chunk);
         continue;

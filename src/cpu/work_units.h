@@ -40,6 +40,9 @@ struct UnitSchedule {
   int part_slots = 0;
 };
 
+// Most token parts one chunk is cut into.
+inline constexpr int kMaxParts = 64;
+
 // Units for `plan` on `threads` threads; token parts only when `may_cut_tokens`.
 void make_units(const Plan& plan, int threads, bool may_cut_tokens, UnitSchedule& schedule);
 
