@@ -9,6 +9,7 @@
 #include <span>
 #include <vector>
 
+#include "cpu/row_encoder.h"
 #include "mjolnir/error.h"
 #include "mjolnir/format.h"
 
@@ -80,6 +81,7 @@ void check_finite(const NamedRows& input, std::span<const std::int64_t> slot_map
     if (slot_mapping[token] < 0) continue;
     for (int head = 0; head < geometry.num_kv_heads; ++head) {
       const float* values = input.at(static_cast<std::int64_t>(token), head);
+      if (cpu::all_finite(std::span<const float>(values, std::size_t(geometry.head_dim)))) continue;
       for (int c = 0; c < geometry.head_dim; ++c) {
         if (std::isfinite(values[c])) continue;
         detail::throw_error(input.name, "[", token, "][", head, "][", c, "] is ",
@@ -109,7 +111,17 @@ void write_kv(const KvCacheView& cache, const TokenRows& k, const TokenRows& v,
 
   // --- writes ----------------------------------------------------------------------------------
   const std::size_t row_bytes = geometry.row_bytes();
-  std::vector<float> scaled(static_cast<std::size_t>(head_dim));  // one row / its outer scale
+  const auto d = static_cast<std::size_t>(head_dim);
+  // The scales that divide (head, K or V)'s row: one value, or D per channel.
+  const auto row_scales = [&](int head, int kv) {
+    const std::span<const float> all = kv == 0 ? cache.k_scale : cache.v_scale;
+    switch (cache.granularity) {
+      case ScaleGranularity::tensor: return all.subspan(0, 1);
+      case ScaleGranularity::head: return all.subspan(std::size_t(head), 1);
+      case ScaleGranularity::channel: break;
+    }
+    return all.subspan(std::size_t(head) * d, d);
+  };
   for (std::int64_t token = 0; token < num_tokens; ++token) {
     const std::int64_t slot = slot_mapping[static_cast<std::size_t>(token)];
     if (slot < 0) continue;  // skipped (padding), as vLLM's reshape_and_cache_flash does
@@ -118,12 +130,10 @@ void write_kv(const KvCacheView& cache, const TokenRows& k, const TokenRows& v,
     for (int head = 0; head < num_kv_heads; ++head) {
       for (const NamedRows& input : inputs) {
         const float* values = input.at(token, head);
-        for (int c = 0; c < head_dim; ++c) {
-          const float scale = input.kv == 0 ? cache.k_scale_at(head, c) : cache.v_scale_at(head, c);
-          scaled[static_cast<std::size_t>(c)] = values[c] / scale;
-        }
-        encode_row(geometry.format, scaled,
-                   std::span<std::byte>(cache.row(page, head, offset, input.kv), row_bytes));
+        // SIMD, bit for bit encode_row(values / scale) (tested against it over every format).
+        cpu::encode_scaled_row(geometry.format, std::span<const float>(values, d),
+                               row_scales(head, input.kv),
+                               std::span<std::byte>(cache.row(page, head, offset, input.kv), row_bytes));
         if (amax == nullptr) continue;
         std::span<float> maxima = input.kv == 0 ? amax->k_amax : amax->v_amax;
         float* head_maxima = maxima.data() + std::size_t(head) * head_dim;

@@ -37,7 +37,27 @@ void EncodeScaledRow(Format format, std::span<const float> values, std::span<con
   encode_row(format, scaled, row);
 }
 
+bool AllFinite(std::span<const float> values) {
+  return std::all_of(values.begin(), values.end(), [](float x) { return std::isfinite(x); });
+}
+
 #else
+
+// Finite floats have an exponent field below all ones: the largest field over the row decides.
+bool AllFinite(std::span<const float> values) {
+  const hn::ScalableTag<std::uint32_t> du;
+  const std::size_t n = hn::Lanes(du);
+  const auto exponent = hn::Set(du, 0x7F800000u);
+  auto largest = hn::Zero(du);
+  std::size_t c = 0;
+  for (; c + n <= values.size(); c += n) {
+    const auto bits = hn::BitCast(du, hn::LoadU(hn::RebindToFloat<decltype(du)>(), &values[c]));
+    largest = hn::Max(largest, hn::And(bits, exponent));
+  }
+  bool finite = hn::GetLane(hn::MaxOfLanes(du, largest)) != 0x7F800000u;
+  for (; c < values.size(); ++c) finite = finite && std::isfinite(values[c]);
+  return finite;
+}
 
 using FloatTag = hn::CappedTag<float, 16>;
 
@@ -153,6 +173,11 @@ HWY_AFTER_NAMESPACE();
 namespace mjolnir::cpu {
 
 HWY_EXPORT(EncodeScaledRow);
+HWY_EXPORT(AllFinite);
+
+bool all_finite(std::span<const float> values) {
+  return HWY_DYNAMIC_DISPATCH(AllFinite)(values);
+}
 
 void encode_scaled_row(Format format, std::span<const float> values, std::span<const float> scales,
                        std::span<std::byte> row) {

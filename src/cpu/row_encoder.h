@@ -1,5 +1,6 @@
 // Fast quantization of token rows for write_kv: the division by the outer scale and the element
-// encoding vectorized, bit for bit equal to encode_row(format, values / scale).
+// encoding vectorized, bit for bit equal to encode_row(format, values / scale); and the finiteness
+// check write_kv makes on every value before it writes any.
 #pragma once
 
 #include <cstddef>
@@ -15,5 +16,8 @@ namespace mjolnir::cpu {
 // finite (write_kv rejects NaN and Inf before encoding); for them the result equals encode_row's.
 void encode_scaled_row(Format format, std::span<const float> values, std::span<const float> scales,
                        std::span<std::byte> row);
+
+// Whether no value is NaN or +-Inf.
+bool all_finite(std::span<const float> values);
 
 }  // namespace mjolnir::cpu
