@@ -3,7 +3,9 @@
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <charconv>
+#include <cctype>
 #include <cmath>
+#include <ctime>
 #include <cstdio>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -32,6 +34,8 @@ constexpr std::size_t kMinWorkingSetBytes = 512 * kMiB;
 // never more than this many bytes: the bench must not push a serving machine into swap.
 constexpr double kMemoryShare = 0.5;
 constexpr std::size_t kMaxCopiesBytes = 16 * kGiB;
+// Positions per sequence with their own drawn K/V (verify::ProblemSpec::distinct_positions).
+constexpr int kDistinctPositions = 4096;
 
 struct Heads {
   int num_q_heads = 0;
@@ -66,6 +70,66 @@ std::vector<Format> parse_formats(const std::vector<std::string>& names) {
   return formats;
 }
 
+// One series of a run: a shape, and the grid of formats x contexts x batches timed on it.
+struct Series {
+  std::string name;  // the JSON's "series"; "" for a plain run
+  Heads heads;
+  int head_dim = 128;
+  int q_len = 1;
+  std::vector<int> batches;
+  std::vector<int> contexts;
+  std::vector<Format> formats;
+};
+
+// A plain run: the grid the flags describe.
+Series series_from_flags(const BenchOptions& options) {
+  return Series{"", parse_heads(options.heads), options.head_dim, options.q_len,
+                {options.batch},  options.contexts,
+                parse_formats(options.formats)};
+}
+
+// The sweep of docs/cpu-performance.md (and docs/cuda.md for the GPU): every format on the
+// Llama-3-8B layer (Hq 32, Hk 8, D 128) from 8k to 128k tokens at the batches the targets name,
+// speculative verify (q_len 4) and short contexts beside it, and the wider shapes reported.
+std::vector<Series> sweep_series(bool on_gpu) {
+  const std::vector<Format> all(std::begin(kAllFormats), std::end(kAllFormats));
+  const std::vector<int> batches = on_gpu ? std::vector<int>{1, 16, 64} : std::vector<int>{1, 8};
+  const Heads llama{32, 8};
+  return {
+      {"long", llama, 128, 1, batches, {8192, 32768, 131072}, all},
+      {"q_len4", llama, 128, 4, batches, {32768}, all},
+      {"short", llama, 128, 1, {1}, {256, 512, 1024}, all},
+      {"hq64", Heads{64, 8}, 128, 1, {batches.back()}, {32768}, all},
+      {"d256", llama, 256, 1, {batches.back()}, {32768}, all},
+  };
+}
+
+// bench/results/<backend>-sweep-<date>-<machine>.json: the machine named by its CPU (or GPU)
+// model, lower case, runs of other characters as one '-'.
+std::string sweep_results_path(const std::string& dir, const std::string& backend,
+                               const std::string& date, const std::string& machine) {
+  std::string slug;
+  for (const char c : machine) {
+    if (std::isalnum(static_cast<unsigned char>(c))) {
+      slug += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    } else if (!slug.empty() && slug.back() != '-') {
+      slug += '-';
+    }
+  }
+  while (!slug.empty() && slug.back() == '-') slug.pop_back();
+  return dir + "/" + backend + "-sweep-" + date + "-" + (slug.empty() ? "unknown" : slug) + ".json";
+}
+
+// Today's UTC date, YYYY-MM-DD.
+std::string utc_date() {
+  const std::time_t now = std::time(nullptr);
+  std::tm tm{};
+  gmtime_r(&now, &tm);
+  char text[16];
+  std::strftime(text, sizeof text, "%Y-%m-%d", &tm);
+  return text;
+}
+
 std::size_t copies_memory_limit() {
   const std::size_t available = available_memory_bytes();
   if (available == 0) return 4 * kGiB;  // /proc/meminfo unreadable: stay modest
@@ -75,29 +139,35 @@ std::size_t copies_memory_limit() {
 // One measured configuration: a row of the table and an entry of the JSON results.
 struct Row {
   std::string backend;
+  std::string series;
   verify::ProblemSpec spec;  // the whole step: format, layout, heads, modes, seq_lens
   Measurement measurement;
   double gbps = 0;
   double bandwidth_fraction = 0;
+  double floor_us = 0;  // the KV bytes at the measured limit: no step can be faster
   double rel_error_vs_exact = 0;
 
   int batch() const { return static_cast<int>(spec.seq_lens.size()); }
   int context() const { return spec.seq_lens.empty() ? 0 : spec.seq_lens[0]; }
 };
 
-verify::ProblemSpec base_spec(const BenchOptions& options, const Heads& heads) {
+verify::ProblemSpec base_spec(const BenchOptions& options, const Series& series) {
+  const Heads& heads = series.heads;
   verify::ProblemSpec spec;
   spec.layout = parse_layout(options.layout, "--layout");
   spec.granularity = parse_granularity(options.granularity, "--granularity");
   spec.page_size = options.page_size;
-  spec.head_dim = options.head_dim;
+  spec.head_dim = series.head_dim;
   spec.num_kv_heads = heads.num_kv_heads;
   spec.group = heads.num_q_heads / heads.num_kv_heads;
-  spec.params.q_len = options.q_len;
+  spec.params.q_len = series.q_len;
   spec.params.num_q_heads = heads.num_q_heads;
   spec.params.q_mode = parse_q_mode(options.q_mode);
   spec.params.p_mode = parse_p_mode(options.p_mode);
   spec.seed = options.seed;
+  // Long caches repeat the K/V of their first positions on every later page: a batch of 8 x 128k
+  // tokens would otherwise draw 2G normal values. The bytes read are the same.
+  spec.distinct_positions = kDistinctPositions;
   return spec;
 }
 
@@ -178,6 +248,7 @@ std::optional<Row> measure(const Backend& host_backend, bool on_gpu,
   row.gbps = static_cast<double>(row.measurement.kv_bytes) /
              (row.measurement.timing.median_us * 1e-6) / 1e9;
   row.bandwidth_fraction = row.gbps / limit.gbps;
+  row.floor_us = static_cast<double>(row.measurement.kv_bytes) / (limit.gbps * 1e9) * 1e6;
   row.rel_error_vs_exact = error_vs_exact(host_backend, spec, plan_options);
   return row;
 }
@@ -201,6 +272,7 @@ nlohmann::ordered_json to_json(const Row& row) {
   const verify::ProblemSpec& spec = row.spec;
   return {
       {"backend", row.backend},
+      {"series", row.series},
       {"format", std::string(to_string(spec.format))},
       {"batch", row.batch()},
       {"context", row.context()},
@@ -218,6 +290,7 @@ nlohmann::ordered_json to_json(const Row& row) {
       {"kv_bytes", row.measurement.kv_bytes},
       {"working_set_bytes", row.measurement.working_set_bytes},
       {"copies", row.measurement.copies},
+      {"floor_us", row.floor_us},
       {"gbps", row.gbps},
       {"bandwidth_fraction", row.bandwidth_fraction},
       {"rel_error_vs_exact", row.rel_error_vs_exact},
@@ -266,69 +339,101 @@ CLI::App* add_bench_command(CLI::App& app, BenchOptions& options) {
       ->capture_default_str();
   cmd->add_option("--seed", options.seed, "Seed of the generated cache")->capture_default_str();
   cmd->add_option("--json", options.json_path, "Also write the results to this JSON file");
+  CLI::Option* sweep =
+      cmd->add_flag("--sweep", options.sweep,
+                    "Run the fixed sweep (every format; 8k-128k; q_len 4; short contexts; Hq 64 "
+                    "and D 256) and write its JSON to --results-dir unless --json is given");
+  cmd->add_option("--results-dir", options.results_dir,
+                  "Folder of the sweep's dated JSON file")
+      ->capture_default_str();
+  for (const char* grid_flag : {"--format", "--context", "--batch", "--q-len", "--heads",
+                                "--head-dim"}) {
+    sweep->excludes(cmd->get_option(grid_flag));
+  }
   return cmd;
 }
 
 int run_bench(const BenchOptions& options) {
-  const Heads heads = parse_heads(options.heads);
-  const std::vector<Format> formats = parse_formats(options.formats);
+  const bool on_gpu = options.backend == "cuda";
+  const std::vector<Series> runs =
+      options.sweep ? sweep_series(on_gpu) : std::vector<Series>{series_from_flags(options)};
   const int threads = options.threads > 0 ? options.threads : hardware_threads();
-
-  // Opened now, so an unwritable path fails before minutes of measuring, not after.
-  std::ofstream json_file;
-  if (!options.json_path.empty()) {
-    json_file.open(options.json_path);
-    MJOLNIR_REQUIRE(json_file.good(), "--json: cannot open '", options.json_path, "' for writing");
-  }
 
   BackendOptions backend_options;
   backend_options.threads = threads;
-  const bool on_gpu = options.backend == "cuda";
   const auto backend = make_host_backend(options.backend, backend_options);
   const std::string unavailable = backend->unavailable_reason();
   MJOLNIR_REQUIRE(unavailable.empty(), "--backend: ", options.backend,
                   " cannot run here: ", unavailable);
 
-  const verify::ProblemSpec base = base_spec(options, heads);
-  check_configurations(base, formats);
-  for (const int context : options.contexts) {
-    // The context counts the q_len new tokens, which are in the cache when attention runs.
-    MJOLNIR_REQUIRE(context >= options.q_len, "--context: ", context,
-                    " tokens cannot hold the --q-len ", options.q_len, " new ones");
+  for (const Series& series : runs) {
+    check_configurations(base_spec(options, series), series.formats);
+    for (const int context : series.contexts) {
+      // The context counts the q_len new tokens, which are in the cache when attention runs.
+      MJOLNIR_REQUIRE(context >= series.q_len, "--context: ", context,
+                      " tokens cannot hold the --q-len ", series.q_len, " new ones");
+    }
   }
+  const Limit limit = measure_limit(on_gpu, threads);
+
+  // Opened before measuring, so an unwritable path fails now, not after minutes of work.
+  std::string json_path = options.json_path;
+  if (json_path.empty() && options.sweep) {
+    const std::string machine = limit.machine.contains("gpu")
+                                    ? limit.machine["gpu"].get<std::string>()
+                                    : cpu_model_name() + " " + std::to_string(threads) + "t";
+    json_path = sweep_results_path(options.results_dir, std::string(backend->name()), utc_date(),
+                                   machine);
+  }
+  std::ofstream json_file;
+  if (!json_path.empty()) {
+    json_file.open(json_path);
+    MJOLNIR_REQUIRE(json_file.good(), options.json_path.empty() ? "--results-dir" : "--json",
+                    ": cannot open '", json_path, "' for writing");
+  }
+
   PlanOptions plan_options;
   plan_options.workers = backend->workers();
   TimingOptions timing;
   timing.iterations = options.iterations;
   timing.min_time_s = options.min_time_s;
 
-  const Limit limit = measure_limit(on_gpu, threads);
   std::printf("machine: %s %.2f GB/s\n", limit.what.c_str(), limit.gbps);
-  std::printf("workload: backend %s, Hq %d, Hk %d, D %d, page %d, %s, %s scales, q %s, p %s\n",
-              std::string(backend->name()).c_str(), heads.num_q_heads, heads.num_kv_heads,
-              options.head_dim, options.page_size, std::string(to_string(base.layout)).c_str(),
-              std::string(to_string(base.granularity)).c_str(),
-              std::string(to_string(base.params.q_mode)).c_str(),
-              std::string(to_string(base.params.p_mode)).c_str());
-  print_table_header();
-
   nlohmann::ordered_json results = nlohmann::ordered_json::array();
-  for (const Format format : formats) {
-    for (const int context : options.contexts) {
-      verify::ProblemSpec spec = base;
-      spec.format = format;
-      spec.seq_lens.assign(options.batch, context);
-      const std::optional<Row> row = measure(*backend, on_gpu, spec, plan_options, timing, limit);
-      if (!row) continue;
-      print_row(*row);
-      results.push_back(to_json(*row));
+  for (const Series& series : runs) {
+    const verify::ProblemSpec base = base_spec(options, series);
+    std::printf("%sworkload: backend %s, Hq %d, Hk %d, D %d, page %d, %s, %s scales, q %s, p %s\n",
+                series.name.empty() ? "" : ("\n[" + series.name + "] ").c_str(),
+                std::string(backend->name()).c_str(), series.heads.num_q_heads,
+                series.heads.num_kv_heads, series.head_dim, options.page_size,
+                std::string(to_string(base.layout)).c_str(),
+                std::string(to_string(base.granularity)).c_str(),
+                std::string(to_string(base.params.q_mode)).c_str(),
+                std::string(to_string(base.params.p_mode)).c_str());
+    print_table_header();
+    for (const int batch : series.batches) {
+      for (const Format format : series.formats) {
+        for (const int context : series.contexts) {
+          verify::ProblemSpec spec = base;
+          spec.format = format;
+          spec.seq_lens.assign(batch, context);
+          std::optional<Row> row = measure(*backend, on_gpu, spec, plan_options, timing, limit);
+          if (!row) continue;
+          row->series = series.name;
+          print_row(*row);
+          results.push_back(to_json(*row));
+        }
+      }
     }
   }
 
   if (json_file.is_open()) {
-    const nlohmann::ordered_json document = {{"machine", limit.machine}, {"results", results}};
+    nlohmann::ordered_json machine = limit.machine;
+    machine["date"] = utc_date();
+    const nlohmann::ordered_json document = {{"machine", machine}, {"results", results}};
     json_file << document.dump(2) << '\n';
-    MJOLNIR_REQUIRE(json_file.good(), "--json: writing '", options.json_path, "' failed");
+    MJOLNIR_REQUIRE(json_file.good(), "--json: writing '", json_path, "' failed");
+    std::printf("results: %s\n", json_path.c_str());
   }
   return 0;
 }

@@ -32,6 +32,11 @@ struct BenchOptions {
   double min_time_s = 1.0;
   std::uint64_t seed = 1;
   std::string json_path;
+  // --sweep: the fixed sweep of docs/cpu-performance.md (formats x contexts x batches, q_len 4,
+  // short contexts, the Hq 64 and D 256 shapes) instead of the grid the flags above describe;
+  // its JSON goes to json_path, or to a dated file named for the machine in results_dir.
+  bool sweep = false;
+  std::string results_dir = "bench/results";
 };
 
 CLI::App* add_bench_command(CLI::App& app, BenchOptions& options);

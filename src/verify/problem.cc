@@ -66,10 +66,16 @@ Problem::Problem(const ProblemSpec& spec) : spec_(spec) {
   std::normal_distribution<float> normal(0.0f, 1.0f);
   std::vector<std::vector<float>> kv(num_seqs);
   std::vector<float> k_amax(std::size_t(hk) * d, 0.0f), v_amax(std::size_t(hk) * d, 0.0f);
+  MJOLNIR_REQUIRE(spec.distinct_positions >= 0, "distinct_positions: ", spec.distinct_positions,
+                  " must not be negative");
+  const auto drawn_positions = [&](int len) {
+    return spec.distinct_positions > 0 ? std::min(len, spec.distinct_positions) : len;
+  };
   for (int b = 0; b < num_seqs; ++b) {
-    kv[b].resize(std::size_t(spec.seq_lens[b]) * hk * 2 * d);
+    const int drawn = drawn_positions(spec.seq_lens[b]);
+    kv[b].resize(std::size_t(drawn) * hk * 2 * d);
     float* x = kv[b].data();
-    for (int pos = 0; pos < spec.seq_lens[b]; ++pos) {
+    for (int pos = 0; pos < drawn; ++pos) {
       for (int h = 0; h < hk; ++h) {
         for (int which = 0; which < 2; ++which) {
           for (int c = 0; c < d; ++c, ++x) {
@@ -95,17 +101,23 @@ Problem::Problem(const ProblemSpec& spec) : spec_(spec) {
   const KvCacheView view = cache();
   for (int b = 0; b < num_seqs; ++b) {
     const int len = spec.seq_lens[b];
-    if (len == 0) continue;
-    std::vector<std::int64_t> slots(len);
-    for (int pos = 0; pos < len; ++pos) {
-      slots[pos] = std::int64_t(block_table_[std::size_t(b) * max_pages_per_seq_ +
+    const int drawn = drawn_positions(len);
+    const std::int64_t token_stride = std::int64_t(hk) * 2 * d;
+    // The drawn positions, written again at every multiple of their count.
+    std::vector<std::int64_t> slots;
+    for (int first = 0; first < len; first += drawn) {
+      const int count = std::min(drawn, len - first);
+      slots.resize(count);
+      for (int i = 0; i < count; ++i) {
+        const int pos = first + i;
+        slots[i] = std::int64_t(block_table_[std::size_t(b) * max_pages_per_seq_ +
                                              pos / page_size]) *
                        page_size +
                    pos % page_size;
+      }
+      write_kv(view, TokenRows{kv[b].data(), token_stride, 2 * d},
+               TokenRows{kv[b].data() + d, token_stride, 2 * d}, slots);
     }
-    const std::int64_t token_stride = std::int64_t(hk) * 2 * d;
-    write_kv(view, TokenRows{kv[b].data(), token_stride, 2 * d},
-             TokenRows{kv[b].data() + d, token_stride, 2 * d}, slots);
   }
   if (spec.keep_original_kv) {
     original_offset_.resize(num_seqs + 1, 0);
@@ -182,6 +194,7 @@ std::size_t Problem::kv_bytes_read() const {
 const float* Problem::original_kv(int seq, int head, int position, int kv) const {
   MJOLNIR_REQUIRE(spec_.keep_original_kv, "original_kv: the problem was built without it");
   const int d = spec_.head_dim;
+  if (spec_.distinct_positions > 0) position %= spec_.distinct_positions;
   return &original_[original_offset_[seq] +
                     ((std::size_t(position) * spec_.num_kv_heads + head) * 2 + kv) * d];
 }

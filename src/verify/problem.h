@@ -24,6 +24,11 @@ struct ProblemSpec {
   int extra_pages = 0;          // unused pages added to the pool (and block table slack)
   bool shuffle_pages = true;    // block tables map to a shuffled page order
   bool keep_original_kv = true; // keep the float K/V for the exact reference (tests, verify)
+  // 0: every position of a sequence is drawn. N > 0: only the first N positions are, and
+  // position p holds the K/V of p % N. Every page is still its own memory, so the bench's long
+  // caches read the same bytes as distinct data would, without minutes of drawing and gigabytes
+  // of floats (a batch of 8 x 128k tokens is 2G values).
+  int distinct_positions = 0;
   // Distribution: K has a few outlier channels (x8) as real models do; V is plain N(0, 1).
   std::uint64_t seed = 1;
 };
