@@ -18,6 +18,8 @@
 
 #include "mjolnir/calibrate.h"
 #include "mjolnir/error.h"
+#include "expect_error.h"
+#include "test_seed.h"
 
 namespace mjolnir {
 namespace {
@@ -25,20 +27,7 @@ namespace {
 using Json = nlohmann::json;
 constexpr float kFloatMin = std::numeric_limits<float>::min();
 
-template <typename Call>
-void expect_error(Call&& call, std::string_view argument, std::string_view detail = "") {
-  try {
-    call();
-  } catch (const Error& e) {
-    const std::string message = e.what();
-    EXPECT_TRUE(message.starts_with(argument))
-        << "message \"" << message << "\" does not start with \"" << argument << "\"";
-    EXPECT_NE(message.find(detail), std::string::npos)
-        << "message \"" << message << "\" does not contain \"" << detail << "\"";
-    return;
-  }
-  ADD_FAILURE() << "no mjolnir::Error thrown; expected one naming \"" << argument << "\"";
-}
+using testing::expect_error;
 
 // A file path in a fresh temporary directory, removed with the fixture.
 class TempDir {
@@ -157,15 +146,8 @@ ScalesFile sample_file(std::mt19937_64& rng) {
   return scales;
 }
 
-std::uint64_t seed() {
-  static const std::uint64_t value = [] {
-    const char* text = std::getenv("MJOLNIR_TEST_SEED");
-    const std::uint64_t v = text != nullptr ? std::strtoull(text, nullptr, 10) : 7;
-    std::cout << "calibrate tests: seed " << v << " (set MJOLNIR_TEST_SEED to replay)\n";
-    return v;
-  }();
-  return value;
-}
+// Fresh per run, printed; MJOLNIR_TEST_SEED replays one.
+std::uint64_t seed() { return testing::test_seed(); }
 
 void expect_bit_equal(const std::vector<float>& a, const std::vector<float>& b) {
   ASSERT_EQ(a.size(), b.size());

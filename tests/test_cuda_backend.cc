@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "core/gpu_devices.h"
+#include "gpu_skip.h"
 #include "mjolnir/decode.h"
 #include "mjolnir/error.h"
 
@@ -40,20 +41,6 @@ namespace {
 
 #if MJOLNIR_HAS_CUDA
 
-// Empty when a CUDA device is usable, otherwise why not ("no CUDA device: ...").
-std::string no_device_reason() {
-  std::string why;
-  if (!cuda_devices(&why).empty()) return {};
-  return why.empty() ? "no CUDA device" : why;
-}
-
-#define MJOLNIR_SKIP_WITHOUT_GPU()                                  \
-  do {                                                              \
-    if (const std::string why = no_device_reason(); !why.empty()) { \
-      GTEST_SKIP() << "needs a CUDA device (" << why << ")";        \
-    }                                                               \
-  } while (0)
-
 void cuda_ok(cudaError_t status, const char* what) {
   ASSERT_EQ(status, cudaSuccess) << what << ": " << cudaGetErrorString(status);
 }
@@ -70,7 +57,7 @@ TEST(CudaBackend, IsRegisteredAndSaysWhyItCannotRun) {
   EXPECT_NE(std::find(names.begin(), names.end(), "cuda"), names.end());
   const auto backend = make_backend("cuda");
   EXPECT_EQ(backend->name(), "cuda");
-  const std::string why = no_device_reason();
+  const std::string why = testing::no_gpu_reason();
   if (why.empty()) {
     EXPECT_EQ(backend->unavailable_reason(), "");
     EXPECT_GE(backend->workers(), 1);
@@ -439,11 +426,7 @@ TEST(CudaNumerics, Exp2MatchesTheHost) {
 
 #else  // !MJOLNIR_HAS_CUDA
 
-TEST(CudaBackend, NotCompiled) {
-  std::string why;
-  cuda_devices(&why);
-  GTEST_SKIP() << "the CUDA backend is not compiled into this build (" << why << ")";
-}
+MJOLNIR_GPU_TESTS_NOT_COMPILED(CudaBackend)
 
 #endif
 

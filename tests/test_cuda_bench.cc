@@ -6,6 +6,7 @@
 #include <string>
 
 #include "core/gpu_devices.h"
+#include "gpu_skip.h"
 
 #if MJOLNIR_HAS_CUDA
 #include <cstdio>
@@ -21,19 +22,6 @@ namespace mjolnir {
 namespace {
 
 #if MJOLNIR_HAS_CUDA
-
-std::string no_device_reason() {
-  std::string why;
-  if (!cuda_devices(&why).empty()) return {};
-  return why.empty() ? "no CUDA device" : why;
-}
-
-#define MJOLNIR_SKIP_WITHOUT_GPU()                                  \
-  do {                                                              \
-    if (const std::string why = no_device_reason(); !why.empty()) { \
-      GTEST_SKIP() << "needs a CUDA device (" << why << ")";        \
-    }                                                               \
-  } while (0)
 
 TEST(CudaBench, MeasuresASmallStep) {
   MJOLNIR_SKIP_WITHOUT_GPU();
@@ -152,11 +140,7 @@ TEST(CudaBench, Table) {
 
 #else  // !MJOLNIR_HAS_CUDA
 
-TEST(CudaBench, NotCompiled) {
-  std::string why;
-  cuda_devices(&why);
-  GTEST_SKIP() << "the CUDA backend is not compiled into this build (" << why << ")";
-}
+MJOLNIR_GPU_TESTS_NOT_COMPILED(CudaBench)
 
 #endif
 

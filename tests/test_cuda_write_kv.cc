@@ -7,6 +7,7 @@
 #include <string>
 
 #include "core/gpu_devices.h"
+#include "gpu_skip.h"
 
 #if MJOLNIR_HAS_CUDA
 #include <cuda_runtime_api.h>
@@ -29,19 +30,6 @@ namespace mjolnir {
 namespace {
 
 #if MJOLNIR_HAS_CUDA
-
-std::string no_device_reason() {
-  std::string why;
-  if (!cuda_devices(&why).empty()) return {};
-  return why.empty() ? "no CUDA device" : why;
-}
-
-#define MJOLNIR_SKIP_WITHOUT_GPU()                                  \
-  do {                                                              \
-    if (const std::string why = no_device_reason(); !why.empty()) { \
-      GTEST_SKIP() << "needs a CUDA device (" << why << ")";        \
-    }                                                               \
-  } while (0)
 
 constexpr std::byte kSentinel{0xA5};
 
@@ -235,11 +223,7 @@ TEST(CudaWriteKv, RefusesHostMemory) {
 
 #else  // !MJOLNIR_HAS_CUDA
 
-TEST(CudaWriteKv, NotCompiled) {
-  std::string why;
-  cuda_devices(&why);
-  GTEST_SKIP() << "the CUDA backend is not compiled into this build (" << why << ")";
-}
+MJOLNIR_GPU_TESTS_NOT_COMPILED(CudaWriteKv)
 
 #endif
 

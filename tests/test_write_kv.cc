@@ -18,37 +18,17 @@
 #include "mjolnir/error.h"
 #include "mjolnir/format.h"
 #include "mjolnir/write_kv.h"
+#include "expect_error.h"
+#include "test_seed.h"
 
 namespace mjolnir {
 namespace {
 
 constexpr std::byte kSentinel{0xA5};
 
-// The seed comes from MJOLNIR_TEST_SEED when set, so a failure can be replayed; it is printed.
-std::uint64_t test_seed() {
-  static const std::uint64_t seed = [] {
-    const char* text = std::getenv("MJOLNIR_TEST_SEED");
-    const std::uint64_t value = text != nullptr ? std::strtoull(text, nullptr, 10) : 20240611;
-    std::cout << "write_kv tests: seed " << value << " (set MJOLNIR_TEST_SEED to replay)\n";
-    return value;
-  }();
-  return seed;
-}
+using testing::test_seed;  // fresh per run, printed; MJOLNIR_TEST_SEED replays one
 
-template <typename Call>
-void expect_error(Call&& call, std::string_view argument, std::string_view detail = "") {
-  try {
-    call();
-  } catch (const Error& e) {
-    const std::string message = e.what();
-    EXPECT_TRUE(message.starts_with(argument))
-        << "message \"" << message << "\" does not start with \"" << argument << "\"";
-    EXPECT_NE(message.find(detail), std::string::npos)
-        << "message \"" << message << "\" does not contain \"" << detail << "\"";
-    return;
-  }
-  ADD_FAILURE() << "no mjolnir::Error thrown; expected one naming \"" << argument << "\"";
-}
+using testing::expect_error;
 
 // A dense pool of a named layout with sentinel guard bytes on both sides (one test below uses
 // padded strides instead), and random positive scales of the granularity.
