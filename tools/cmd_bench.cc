@@ -15,6 +15,7 @@
 
 #include "bench_cuda.h"
 #include "bench_workload.h"
+#include "cpu/compute_peak.h"
 #include "cpu/read_bandwidth.h"
 #include "host_backend.h"
 #include "machine_info.h"
@@ -210,10 +211,16 @@ Limit measure_limit(bool on_gpu, int threads) {
   std::fprintf(stderr, "bench: measuring read bandwidth (%d threads, %s buffer)\n", threads,
                format_bytes(bytes).c_str());
   limit.gbps = cpu::measure_read_bandwidth_gbps(threads, bytes);
+  // Not the limit the rows are divided by, but the one that binds when decoding is compute
+  // bound (few bytes per element, many query rows): docs/cpu-performance.md shows both.
+  const double fma_gflops = cpu::measure_fma_peak_gflops(threads);
+  std::fprintf(stderr, "bench: fp32 FMA peak %.1f GFLOP/s (%d threads)\n", fma_gflops, threads);
   limit.what = cpu_model_name() + ", " + std::to_string(threads) + " threads, last-level cache " +
                format_bytes(llc) + ", read bandwidth";
   limit.machine = {{"read_bandwidth_gbps", limit.gbps},
+                   {"fma_peak_gflops", fma_gflops},
                    {"cpu", cpu_model_name()},
+                   {"simd_target", cpu::dispatched_simd_target()},
                    {"threads", threads},
                    {"llc_bytes", llc}};
   return limit;
