@@ -1,0 +1,85 @@
+// How fast one core runs the CPU decode kernel when the cache is resident in the last-level
+// cache, against the fp32 FMA peak of the same core: if the resident rate is no better than the
+// rate `mjolnir bench` measures from memory, the kernel is bound by its arithmetic, not by
+// bandwidth. Times are the thread's CPU time, so other processes sharing the cores inflate them
+// less than wall time.
+//
+//   build/bench/micro/kernel_rates --benchmark_filter=Decode
+//
+// Counters: ns_per_token_head (one KV token of one KV head: K and V rows, all g x q_len query
+// rows), fma_floor_ns (the same work's 2 x g x q_len x D fp32 multiply-adds at the measured FMA
+// peak), and GB_per_cpu_s (KV bytes per CPU second).
+#include <benchmark/benchmark.h>
+
+#include <cstddef>
+#include <vector>
+
+#include "cpu/compute_peak.h"
+#include "mjolnir/decode.h"
+#include "mjolnir/plan.h"
+#include "verify/problem.h"
+
+namespace mjolnir {
+namespace {
+
+constexpr int kKvHeads = 8;
+constexpr int kHeadDim = 128;
+constexpr int kContext = 2048;  // 8 heads x 2048 tokens: 4 MiB of bf16, resident in L3
+
+double fma_peak_flops_one_thread() {
+  static const double flops = cpu::measure_fma_peak_gflops(1, 0.3) * 1e9;
+  return flops;
+}
+
+void Decode(benchmark::State& state, Format format, int group, int q_len) {
+  verify::ProblemSpec spec;
+  spec.format = format;
+  spec.num_kv_heads = kKvHeads;
+  spec.group = group;
+  spec.head_dim = kHeadDim;
+  spec.params.q_len = q_len;
+  spec.seq_lens = {kContext};
+  spec.keep_original_kv = false;
+  verify::Problem problem(spec);
+  const DecodeArgs args = problem.args();
+  const auto backend = make_backend("cpu", BackendOptions{.threads = 1});
+  PlanOptions options;
+  options.workers = 1;
+  Plan plan(PlanCapacity{1, kKvHeads, 16});
+  make_plan(plan, args.batch.seq_lens, q_len, kKvHeads, options);
+  std::vector<std::byte> workspace(
+      backend->workspace_bytes(plan, args.cache.geometry, args.params));
+  for (auto _ : state) backend->run(args, plan, workspace);
+
+  const double token_heads = double(kContext) * kKvHeads * state.iterations();
+  const double flops_per_token_head = 4.0 * group * q_len * kHeadDim;  // QK and PV, 2 per FMA
+  state.counters["ns_per_token_head"] =
+      benchmark::Counter(token_heads / 1e9, benchmark::Counter::kIsRate |
+                                                benchmark::Counter::kInvert);
+  state.counters["fma_floor_ns"] = flops_per_token_head / fma_peak_flops_one_thread() * 1e9;
+  state.counters["GB_per_cpu_s"] = benchmark::Counter(
+      double(problem.kv_bytes_read()) * state.iterations() / 1e9, benchmark::Counter::kIsRate);
+}
+
+void FmaPeak(benchmark::State& state) {
+  for (auto _ : state) benchmark::DoNotOptimize(fma_peak_flops_one_thread());
+  state.counters["gflops"] = fma_peak_flops_one_thread() / 1e9;
+}
+
+const int registered = [] {
+  for (const Format format : kAllFormats) {
+    for (const auto [group, q_len] : {std::pair{4, 1}, std::pair{4, 4}, std::pair{8, 1}}) {
+      const std::string name = "Decode/" + std::string(to_string(format)) + "/g" +
+                               std::to_string(group) + "/q_len" + std::to_string(q_len);
+      benchmark::RegisterBenchmark(name.c_str(), Decode, format, group, q_len)->Unit(
+          benchmark::kMicrosecond);
+    }
+  }
+  benchmark::RegisterBenchmark("FmaPeak/1thread", FmaPeak)->Iterations(1);
+  return 0;
+}();
+
+}  // namespace
+}  // namespace mjolnir
+
+BENCHMARK_MAIN();
