@@ -1,0 +1,36 @@
+"""mjolnir: paged decode attention over low-bit KV caches, as PyTorch ops and a vLLM plugin.
+
+Importing the package registers torch.ops.mjolnir.{decode, decode_into, write_kv, plan}.
+See docs/python.md.
+"""
+
+from __future__ import annotations
+
+import torch  # noqa: F401  (the ops below register with torch.library)
+
+from . import _ext
+from .config import AttnConfig
+from .ops import DEFAULT_LAYOUT, cache_description, decode, decode_into, plan, write_kv
+
+__version__ = _ext.__version__
+has_cuda = _ext.has_cuda
+formats = _ext.formats
+layouts = _ext.layouts
+row_bytes = _ext.row_bytes
+format_max = _ext.format_max
+compiled_backends = _ext.compiled_backends
+
+
+def register() -> bool:
+    """The vLLM general-plugin entry point (`mjolnir = "mjolnir:register"`); True when the
+    backend was registered (see mjolnir.vllm_plugin)."""
+    from .vllm_plugin import register as _register
+
+    return _register()
+
+
+__all__ = [
+    "AttnConfig", "DEFAULT_LAYOUT", "cache_description", "compiled_backends", "decode",
+    "decode_into", "format_max", "formats", "has_cuda", "layouts", "plan", "register",
+    "row_bytes", "write_kv",
+]

@@ -1,0 +1,88 @@
+"""Every MJOLNIR_ATTN_* environment variable, parsed in this one place (documented in docs/python.md).
+
+A bad value raises ValueError naming the variable, when the configuration is read (at plugin
+registration), not later inside a forward pass.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+_MODES = ("fp32", "bf16", "fp8")
+
+
+def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = env.get(name)
+    if raw is None:
+        return default
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"{name}: '{raw}' is not a boolean (use 1/0, true/false, yes/no, on/off)")
+
+
+def _int(env: Mapping[str, str], name: str, default: int, lo: int, hi: int) -> int:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = int(raw.strip(), 10)
+    except ValueError:
+        raise ValueError(f"{name}: '{raw}' is not an integer") from None
+    if not lo <= value <= hi:
+        raise ValueError(f"{name}: {value} is outside [{lo}, {hi}]")
+    return value
+
+
+def _mode(env: Mapping[str, str], name: str, default: str) -> str:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    value = raw.strip().lower()
+    if value not in _MODES:
+        raise ValueError(f"{name}: '{raw}' is not one of {', '.join(_MODES)}")
+    return value
+
+
+@dataclass(frozen=True)
+class AttnConfig:
+    """The plugin's settings. Defaults are those of an empty environment."""
+
+    disable: bool = False  # MJOLNIR_ATTN_DISABLE: 1 = do not register the backend at all
+    fallback: bool = True  # MJOLNIR_ATTN_FALLBACK: non-decode step -> PyTorch path (0: raise)
+    q_dtype: str = "fp32"  # MJOLNIR_ATTN_Q_DTYPE: Q mode fp32 | bf16 | fp8
+    p_dtype: str = "fp32"  # MJOLNIR_ATTN_P_DTYPE: P mode fp32 | bf16 | fp8
+    max_q_len: int = 8  # MJOLNIR_ATTN_MAX_Q_LEN: longer steps (prefill) take the fallback
+    max_splits: int = 16  # MJOLNIR_ATTN_MAX_SPLITS: cap on split-KV chunks per sequence
+    threads: int = 0  # MJOLNIR_ATTN_THREADS: CPU worker threads, 0 = all cores
+
+    @classmethod
+    def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "AttnConfig":
+        env = os.environ if env is None else env
+        return cls(
+            disable=_flag(env, "MJOLNIR_ATTN_DISABLE", False),
+            fallback=_flag(env, "MJOLNIR_ATTN_FALLBACK", True),
+            q_dtype=_mode(env, "MJOLNIR_ATTN_Q_DTYPE", "fp32"),
+            p_dtype=_mode(env, "MJOLNIR_ATTN_P_DTYPE", "fp32"),
+            max_q_len=_int(env, "MJOLNIR_ATTN_MAX_Q_LEN", 8, 1, 8),
+            max_splits=_int(env, "MJOLNIR_ATTN_MAX_SPLITS", 16, 1, 256),
+            threads=_int(env, "MJOLNIR_ATTN_THREADS", 0, 0, 4096),
+        )
+
+
+# Names, for documentation and for `python -m mjolnir` style listings.
+ENV_VARS = (
+    "MJOLNIR_ATTN_DISABLE",
+    "MJOLNIR_ATTN_FALLBACK",
+    "MJOLNIR_ATTN_Q_DTYPE",
+    "MJOLNIR_ATTN_P_DTYPE",
+    "MJOLNIR_ATTN_MAX_Q_LEN",
+    "MJOLNIR_ATTN_MAX_SPLITS",
+    "MJOLNIR_ATTN_THREADS",
+)

@@ -1,0 +1,139 @@
+"""Bad arguments raise ValueError whose message starts with (or names) the argument."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mjolnir  # noqa: F401
+from _reference import make_cache
+
+HK, HQ, D, P, PAGES = 2, 4, 64, 16, 12
+
+
+@pytest.fixture
+def step(gen):
+    cache = make_cache("2BNHD", "fp8_e4m3", PAGES, P, HK, D)
+    k = torch.randn(40, HK, D, generator=gen)
+    v = torch.randn(40, HK, D, generator=gen)
+    scale = torch.tensor([0.02])
+    torch.ops.mjolnir.write_kv(k, v, cache, torch.arange(40), scale, scale, "fp8_e4m3")
+    args = dict(
+        q=torch.randn(2, HQ, D, generator=gen), kv_cache=cache,
+        block_table=torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32),
+        seq_lens=torch.tensor([40, 7], dtype=torch.int32), k_scale=scale, v_scale=scale,
+        kv_format="fp8_e4m3", q_len=1, layout="2BNHD")
+    assert torch.isfinite(torch.ops.mjolnir.decode(**args)).all()  # the good call works
+    return args
+
+
+def decode_with(args, **changes):
+    return torch.ops.mjolnir.decode(**{**args, **changes})
+
+
+@pytest.mark.parametrize("change,pattern", [
+    (dict(kv_format="fp7_e3m3"), r"^kv_format: 'fp7_e3m3' is not one of"),
+    (dict(layout="BXN2D"), r"^layout: 'BXN2D'"),
+    (dict(q_len=9, q=torch.randn(18, HQ, 64)), r"^q_len: 9 is outside \[1, 8\]"),
+    (dict(q_len=2), r"^q: 2 token rows, but 2 sequences x q_len 2 = 4"),
+    (dict(q=torch.randn(2, 3, 64)), r"num_q_heads: 3"),
+    (dict(q=torch.randn(2, HQ, 96)), r"^kv_cache: the last dimension holds 64 bytes"),
+    (dict(q=torch.randn(2, HQ, 40)), r"^q: head size \(last dimension\) 40"),
+    (dict(q=torch.randn(2, HQ, D).to(torch.int32)), r"^q: expected float32, bfloat16"),
+    (dict(q=torch.randn(2 * HQ * D)), r"^q: expected 3 dimensions"),
+    (dict(block_table=torch.tensor([[0, 1, 2], [3, 4, 5]])), r"^block_table: expected dtype "
+                                                             r"torch.int32, got torch.int64"),
+    (dict(block_table=torch.tensor([[0, 99, 2], [3, 4, 5]], dtype=torch.int32)),
+     r"^block_table\[0\]\[1\]: page 99"),
+    (dict(block_table=torch.tensor([[0, 1, 2]], dtype=torch.int32)),
+     r"^seq_lens: 2 sequences, but block_table has 1 rows"),
+    (dict(seq_lens=torch.tensor([49, 7], dtype=torch.int32)), r"^seq_lens\[0\]: 49 tokens"),
+    (dict(seq_lens=torch.tensor([40, 7])), r"^seq_lens: expected dtype torch.int32"),
+    (dict(k_scale=torch.tensor([0.1, 0.2, 0.3])), r"^k_scale: 3 values; expected 1"),
+    (dict(v_scale=torch.tensor([0.1, 0.2])), r"^v_scale: 2 values, but k_scale has 1"),
+    (dict(k_scale=torch.tensor([-1.0])), r"^k_scale\[0\]: -1"),
+    (dict(v_scale=torch.tensor([float("nan")])), r"^v_scale\[0\]: nan"),
+    (dict(k_scale=torch.tensor([1], dtype=torch.int32)), r"^k_scale: expected a float tensor"),
+    (dict(kv_cache=torch.zeros(2, PAGES, P, HK, D)), r"^kv_cache: dtype torch.float32"),
+    (dict(kv_cache=torch.zeros(2, PAGES, P, HK, D, dtype=torch.float8_e5m2)),
+     r"^kv_format: 'fp8_e4m3' does not match the cache dtype torch.float8_e5m2"),
+    (dict(kv_cache=torch.zeros(PAGES, P, HK, D, dtype=torch.uint8)),
+     r"^kv_cache: expected 5 dimensions \[2, B, N, H, D\]"),
+    (dict(kv_cache=torch.zeros(3, PAGES, P, HK, D, dtype=torch.uint8)),
+     r"^kv_cache: dimension 0 \(K/V\) of layout 2BNHD has size 3"),
+    (dict(kv_cache=torch.zeros(2, PAGES, 12, HK, D, dtype=torch.uint8)),
+     r"^kv_cache.geometry.page_size: 12"),
+    (dict(kv_cache=torch.zeros(2, PAGES, P, HK, 2 * D, dtype=torch.uint8)[..., ::2]),
+     r"^kv_cache: the last dimension \(a token's row\) must be contiguous"),
+    (dict(q_mode="int8"), r"^q_mode: 'int8' is not one of fp32, bf16, fp8"),
+    (dict(p_mode="fp4"), r"^p_mode: 'fp4' is not one of fp32, bf16, fp8"),
+    (dict(softmax_scale=-1.0), r"^softmax_scale: -1"),
+    (dict(backend="tpu"), r"^backend: 'tpu' is not one of"),
+])
+def test_decode_rejects(step, change, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        decode_with(step, **change)
+
+
+def test_decode_rejects_overlapping_q_rows(step):
+    q = torch.randn(1, HQ, D).expand(2, HQ, D)  # token stride 0
+    with pytest.raises(ValueError, match=r"^q.token_stride: 0"):
+        decode_with(step, q=q)
+
+
+def test_decode_into_rejects_bad_output(step):
+    with pytest.raises(ValueError, match=r"^output: shape \(2, 4, 32\), expected \(2, 4, 64\)"):
+        torch.ops.mjolnir.decode_into(torch.empty(2, HQ, 32), **step)
+
+
+def test_decode_rejects_device_mismatch(step):
+    # Through the implementation: a meta tensor among the op's inputs dispatches to the fake.
+    from mjolnir.ops import _decode_impl
+    args = {**step, "kv_cache": torch.empty(2, PAGES, P, HK, D, dtype=torch.uint8, device="meta")}
+    with pytest.raises(ValueError, match=r"^kv_cache: on meta, but q is on cpu"):
+        _decode_impl(None, **args, causal=True, softmax_scale=0.0, q_mode="fp32", p_mode="fp32",
+                     max_splits=16, threads=0, backend="")
+
+
+@pytest.fixture
+def write_args(step, gen):
+    return dict(key=torch.randn(3, HK, D, generator=gen), value=torch.randn(3, HK, D, generator=gen),
+                kv_cache=step["kv_cache"], slot_mapping=torch.tensor([40, 41, -1]),
+                k_scale=step["k_scale"], v_scale=step["v_scale"], kv_format="fp8_e4m3",
+                layout="2BNHD")
+
+
+@pytest.mark.parametrize("change,pattern", [
+    (dict(slot_mapping=torch.tensor([40, 192, 0])), r"^slot_mapping\[1\]: slot 192"),
+    (dict(slot_mapping=torch.tensor([40, 41])), r"^slot_mapping: 2 slots, but key has 3 tokens"),
+    (dict(slot_mapping=torch.tensor([40.0, 41.0, 42.0])), r"^slot_mapping: expected a 1-D int64"),
+    (dict(value=torch.randn(3, HK, 32)), r"^value: shape \(3, 2, 32\), but key has"),
+    (dict(key=torch.randn(3, 3, D), value=torch.randn(3, 3, D)),
+     r"^key: 3 heads, but the cache has 2 KV heads"),
+    (dict(kv_format="fp6_e2m3"), r"^kv_cache: the last dimension holds 64 bytes per token row, "
+                                 r"but 64 channels of fp6_e2m3 take 48 bytes"),
+    (dict(layout="B2NHD"), r"^kv_cache: dimension 1 \(K/V\) of layout B2NHD has size 12"),
+    (dict(k_scale=torch.tensor([0.0])), r"^k_scale\[0\]: 0"),
+])
+def test_write_kv_rejects(write_args, change, pattern):
+    before = write_args["kv_cache"].clone()
+    with pytest.raises(ValueError, match=pattern):
+        torch.ops.mjolnir.write_kv(**{**write_args, **change})
+    assert torch.equal(before, write_args["kv_cache"])  # nothing written
+
+
+@pytest.mark.parametrize("which,bad", [("key", float("nan")), ("value", float("inf"))])
+def test_write_kv_rejects_non_finite(write_args, which, bad):
+    before = write_args["kv_cache"].clone()
+    write_args[which][1, 1, 17] = bad
+    name = "k" if which == "key" else "v"
+    with pytest.raises(ValueError, match=rf"^{name}\[1\]\[1\]\[17\] is (nan|inf|NaN|Inf)"):
+        torch.ops.mjolnir.write_kv(**write_args)
+    assert torch.equal(before, write_args["kv_cache"])
+
+
+def test_plan_rejects(gen):
+    with pytest.raises(ValueError, match=r"^seq_lens: expected dtype torch.int32"):
+        torch.ops.mjolnir.plan(torch.tensor([3, 4]), 1, 2)
+    with pytest.raises(ValueError, match=r"q_len"):
+        torch.ops.mjolnir.plan(torch.tensor([3, 4], dtype=torch.int32), 0, 2)

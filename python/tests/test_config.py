@@ -1,0 +1,58 @@
+"""MJOLNIR_ATTN_* parsing (mjolnir.config) and the plugin entry point, without vLLM."""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import pytest
+
+import mjolnir
+from mjolnir.config import ENV_VARS, AttnConfig
+
+
+def test_defaults():
+    assert AttnConfig.from_env({}) == AttnConfig()
+    c = AttnConfig()
+    assert (c.disable, c.fallback, c.q_dtype, c.p_dtype, c.max_q_len, c.max_splits, c.threads) \
+        == (False, True, "fp32", "fp32", 8, 16, 0)
+
+
+def test_values():
+    env = {"MJOLNIR_ATTN_DISABLE": "yes", "MJOLNIR_ATTN_FALLBACK": "0",
+           "MJOLNIR_ATTN_Q_DTYPE": "FP8", "MJOLNIR_ATTN_P_DTYPE": "bf16",
+           "MJOLNIR_ATTN_MAX_Q_LEN": "4", "MJOLNIR_ATTN_MAX_SPLITS": "32",
+           "MJOLNIR_ATTN_THREADS": "3"}
+    assert AttnConfig.from_env(env) == AttnConfig(True, False, "fp8", "bf16", 4, 32, 3)
+    assert set(env) == set(ENV_VARS)
+
+
+@pytest.mark.parametrize("name,value,pattern", [
+    ("MJOLNIR_ATTN_DISABLE", "maybe", "is not a boolean"),
+    ("MJOLNIR_ATTN_FALLBACK", "2", "is not a boolean"),
+    ("MJOLNIR_ATTN_Q_DTYPE", "int8", "is not one of fp32, bf16, fp8"),
+    ("MJOLNIR_ATTN_P_DTYPE", "fp4", "is not one of fp32, bf16, fp8"),
+    ("MJOLNIR_ATTN_MAX_Q_LEN", "9", r"9 is outside \[1, 8\]"),
+    ("MJOLNIR_ATTN_MAX_SPLITS", "many", "is not an integer"),
+    ("MJOLNIR_ATTN_THREADS", "-1", r"-1 is outside \[0, 4096\]"),
+])
+def test_bad_values_name_the_variable(name, value, pattern):
+    with pytest.raises(ValueError, match=rf"^{name}: .*{pattern}"):
+        AttnConfig.from_env({name: value})
+
+
+def test_register_disabled(monkeypatch):
+    monkeypatch.setenv("MJOLNIR_ATTN_DISABLE", "1")
+    assert mjolnir.register() is False
+
+
+def test_register_rejects_bad_env(monkeypatch):
+    monkeypatch.setenv("MJOLNIR_ATTN_Q_DTYPE", "fp16")
+    with pytest.raises(ValueError, match="^MJOLNIR_ATTN_Q_DTYPE"):
+        mjolnir.register()
+
+
+def test_entry_point_installed():
+    eps = importlib.metadata.entry_points(group="vllm.general_plugins")
+    found = [ep for ep in eps if ep.name == "mjolnir"]
+    assert found and found[0].value == "mjolnir:register"
+    assert found[0].load() is mjolnir.register
