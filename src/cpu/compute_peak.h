@@ -8,8 +8,8 @@
 namespace mjolnir::cpu {
 
 // GFLOP/s (one FMA = 2 flops) of `threads` threads (0 = every hardware thread) running
-// independent fp32 FMA chains at the dispatched target's vector width for about `seconds`,
-// wall clock: the best any kernel made of FMAs can do here.
+// independent fp32 FMA chains at the dispatched target's vector width, the best of 5 passes
+// over about `seconds` in all, wall clock: the best any kernel made of FMAs can do here.
 double measure_fma_peak_gflops(int threads, double seconds = 0.2);
 
 }  // namespace mjolnir::cpu
