@@ -68,17 +68,17 @@ fi
 # Every test runs under qemu (CMAKE_CROSSCOMPILING_EMULATOR), with the covering subset of the
 # case matrix (MJOLNIR_TEST_QUICK=1). qemu runs NEON code ~10-30x and SVE code ~50-100x slower
 # than the host, so a few tests are left to the native runs (scripts/test.sh, both builds):
-#   CpuKernelTest.TestRounding/SVE, /SVE2: the exhaustive rounding sweep (~70 million floats
-#     x 7 formats, each against the scalar codec) takes 5-7 minutes per target under qemu. It
-#     runs on NEON; on SVE and SVE2 the same SIMD rounding is still checked bit for bit through
+#   CpuKernelTest.TestRounding/*: the exhaustive rounding sweep (~70 million floats x 7
+#     formats, each against the scalar codec) takes 7 to over 15 minutes per target under qemu
+#     here. The same SIMD rounding is still checked bit for bit on NEON, SVE and SVE2 through
 #     every Q and P mode of CpuKernelMatrix (a P or Q code that differs from the emulator's fails
-#     its 1e-5 tolerance) and through the encoders of TestRowEncoder, and natively in full.
+#     its 1e-5 tolerance) and through the encoders of TestRowEncoder; the sweep runs natively.
 #   CudaEmulated.*: the CUDA kernels' code run on CPU threads, portable C++ with nothing
 #     Arm-specific (5-6 minutes under qemu); the native runs cover it.
 #   docs_tables: a host-side Python check of docs/ (render_bench.py), not aarch64 code; CMake
 #     would run the host's Python under qemu in a cross build.
 # --timeout: a hung test fails after 10 minutes instead of ctest's 25.
-excluded='CpuKernelTest\.TestRounding/SVE|^CudaEmulated\.|^docs_tables$'
+excluded='CpuKernelTest\.TestRounding/|^CudaEmulated\.|^docs_tables$'
 log=build-arm64/arm-ctest.log
 status=0
 MJOLNIR_TEST_QUICK=1 ctest --test-dir build-arm64 --output-on-failure -j "$jobs" --timeout 600 \

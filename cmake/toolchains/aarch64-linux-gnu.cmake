@@ -29,6 +29,7 @@ if(CMAKE_HOST_SYSTEM_PROCESSOR)
   set(mjolnir_host_libdir /usr/lib/${CMAKE_HOST_SYSTEM_PROCESSOR}-linux-gnu)
   file(GLOB mjolnir_host_packages LIST_DIRECTORIES true ${mjolnir_host_libdir}/cmake/*)
   list(APPEND CMAKE_IGNORE_PATH ${mjolnir_host_libdir} ${mjolnir_host_packages})
+  list(REMOVE_DUPLICATES CMAKE_IGNORE_PATH)  # this file is read again by every try_compile
 endif()
 
 # pkg-config (for any dependency found through it): the arm64 .pc files only.
