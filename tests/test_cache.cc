@@ -10,28 +10,14 @@
 #include <string_view>
 #include <vector>
 
+#include "expect_error.h"
 #include "mjolnir/cache.h"
 #include "mjolnir/error.h"
 
 namespace mjolnir {
 namespace {
 
-// Runs `call`, which must throw Error whose message starts with `argument` (the name of the bad
-// argument, e.g. "cache.geometry.page_size:") and contains `detail`.
-template <typename Call>
-void expect_error(Call&& call, std::string_view argument, std::string_view detail = "") {
-  try {
-    call();
-  } catch (const Error& e) {
-    const std::string message = e.what();
-    EXPECT_TRUE(message.starts_with(argument))
-        << "message \"" << message << "\" does not start with \"" << argument << "\"";
-    EXPECT_NE(message.find(detail), std::string::npos)
-        << "message \"" << message << "\" does not contain \"" << detail << "\"";
-    return;
-  }
-  ADD_FAILURE() << "no mjolnir::Error thrown; expected one naming \"" << argument << "\"";
-}
+using testing::expect_error;
 
 // fp8 keeps the arithmetic easy: a row of D = 32 channels is 32 bytes.
 CacheGeometry small_geometry() {
