@@ -53,9 +53,8 @@ void Decode(benchmark::State& state, Format format, int group, int q_len) {
 
   const double token_heads = double(kContext) * kKvHeads * state.iterations();
   const double flops_per_token_head = 4.0 * group * q_len * kHeadDim;  // QK and PV, 2 per FMA
-  state.counters["ns_per_token_head"] =
-      benchmark::Counter(token_heads / 1e9, benchmark::Counter::kIsRate |
-                                                benchmark::Counter::kInvert);
+  state.counters["ns_per_token_head"] = benchmark::Counter(
+      token_heads / 1e9, benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
   state.counters["fma_floor_ns"] = flops_per_token_head / fma_peak_flops_one_thread() * 1e9;
   state.counters["GB_per_cpu_s"] = benchmark::Counter(
       double(problem.kv_bytes_read()) * state.iterations() / 1e9, benchmark::Counter::kIsRate);
@@ -71,8 +70,8 @@ const int registered = [] {
     for (const auto [group, q_len] : {std::pair{4, 1}, std::pair{4, 4}, std::pair{8, 1}}) {
       const std::string name = "Decode/" + std::string(to_string(format)) + "/g" +
                                std::to_string(group) + "/q_len" + std::to_string(q_len);
-      benchmark::RegisterBenchmark(name.c_str(), Decode, format, group, q_len)->Unit(
-          benchmark::kMicrosecond);
+      benchmark::RegisterBenchmark(name.c_str(), Decode, format, group, q_len)
+          ->Unit(benchmark::kMicrosecond);
     }
   }
   benchmark::RegisterBenchmark("FmaPeak/1thread", FmaPeak)->Iterations(1);

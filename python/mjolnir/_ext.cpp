@@ -60,8 +60,8 @@ const Backend& backend_for(const std::string& name, int threads) {
 }
 
 KvCacheView make_cache(const std::string& format, int num_pages, int page_size, int num_kv_heads,
-                       int head_dim, std::tuple<std::int64_t, std::int64_t, std::int64_t,
-                                                std::int64_t> strides,
+                       int head_dim,
+                       std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t> strides,
                        std::uintptr_t data, std::size_t bytes, const std::string& granularity,
                        std::uintptr_t k_scale, std::uintptr_t v_scale, std::size_t scale_count) {
   KvCacheView cache;
@@ -84,17 +84,17 @@ using Strides4 = std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64
 
 void decode_step(const std::string& backend_name, int threads, const std::string& format,
                  int num_pages, int page_size, int num_kv_heads, int head_dim, Strides4 strides,
-                 std::uintptr_t cache_data, std::size_t cache_bytes,
-                 const std::string& granularity, std::uintptr_t k_scale, std::uintptr_t v_scale,
-                 std::size_t scale_count, std::uintptr_t block_table, int num_seqs,
-                 int max_pages_per_seq, std::uintptr_t seq_lens, std::uintptr_t q,
-                 std::int64_t q_token_stride, std::int64_t q_head_stride, std::uintptr_t o,
-                 std::int64_t o_token_stride, std::int64_t o_head_stride, std::uintptr_t lse,
-                 int q_len, int num_q_heads, bool causal, float softmax_scale,
-                 const std::string& q_mode, const std::string& p_mode, int max_splits) {
+                 std::uintptr_t cache_data, std::size_t cache_bytes, const std::string& granularity,
+                 std::uintptr_t k_scale, std::uintptr_t v_scale, std::size_t scale_count,
+                 std::uintptr_t block_table, int num_seqs, int max_pages_per_seq,
+                 std::uintptr_t seq_lens, std::uintptr_t q, std::int64_t q_token_stride,
+                 std::int64_t q_head_stride, std::uintptr_t o, std::int64_t o_token_stride,
+                 std::int64_t o_head_stride, std::uintptr_t lse, int q_len, int num_q_heads,
+                 bool causal, float softmax_scale, const std::string& q_mode,
+                 const std::string& p_mode, int max_splits) {
   DecodeArgs args;
-  args.cache = make_cache(format, num_pages, page_size, num_kv_heads, head_dim, strides,
-                          cache_data, cache_bytes, granularity, k_scale, v_scale, scale_count);
+  args.cache = make_cache(format, num_pages, page_size, num_kv_heads, head_dim, strides, cache_data,
+                          cache_bytes, granularity, k_scale, v_scale, scale_count);
   args.batch.block_table = {as_ptr<const std::int32_t>(block_table),
                             std::size_t(num_seqs) * std::size_t(max_pages_per_seq)};
   args.batch.max_pages_per_seq = max_pages_per_seq;
@@ -171,8 +171,8 @@ void write_kv_rows(const std::string& device, const std::string& format, int num
 
 // The plan as rows (seq, kv_head, kv_begin, kv_end, split, partial_slot).
 std::vector<std::int32_t> plan_items(std::uintptr_t seq_lens, int num_seqs, int q_len,
-                                     int num_kv_heads, int workers, int max_splits,
-                                     int tile_tokens, int min_chunk_tokens, int fixed_splits) {
+                                     int num_kv_heads, int workers, int max_splits, int tile_tokens,
+                                     int min_chunk_tokens, int fixed_splits) {
   Plan plan(PlanCapacity{num_seqs, num_kv_heads, std::max(1, std::max(max_splits, fixed_splits))});
   PlanOptions options;
   options.workers = workers;
@@ -236,42 +236,53 @@ NB_MODULE(_ext, m) {
   m.def("formats", [] { return names_of(kAllFormats); });
   m.def("layouts", [] { return names_of(kAllLayouts); });
   m.def("compiled_backends", &compiled_backends);
-  m.def("row_bytes", [](const std::string& format, int head_dim) {
-    const Format f = parse_format(format, "kv_format");
-    MJOLNIR_REQUIRE(head_dim > 0 && head_dim % 32 == 0, "head_dim: ", head_dim,
-                    " is not a positive multiple of 32");
-    return row_bytes(f, head_dim);
-  }, "kv_format"_a, "head_dim"_a);
-  m.def("format_max", [](const std::string& format) {
-    return format_max(parse_format(format, "kv_format"));
-  }, "kv_format"_a);
-  m.def("is_quantized", [](const std::string& format) {
-    return is_quantized(parse_format(format, "kv_format"));
-  }, "kv_format"_a);
-  m.def("parse_layout", [](const std::string& name) {
-    return std::string(to_string(parse_layout(name, "layout")));
-  }, "layout"_a);
-  m.def("check_mode", [](const std::string& q_mode, const std::string& p_mode) {
-    parse_q_mode(q_mode);
-    parse_p_mode(p_mode);
-  }, "q_mode"_a, "p_mode"_a);
-  m.def("workers", [](const std::string& backend, int threads) {
-    return backend_for(backend, threads).workers();
-  }, "backend"_a, "threads"_a = 0);
+  m.def(
+      "row_bytes",
+      [](const std::string& format, int head_dim) {
+        const Format f = parse_format(format, "kv_format");
+        MJOLNIR_REQUIRE(head_dim > 0 && head_dim % 32 == 0, "head_dim: ", head_dim,
+                        " is not a positive multiple of 32");
+        return row_bytes(f, head_dim);
+      },
+      "kv_format"_a, "head_dim"_a);
+  m.def(
+      "format_max",
+      [](const std::string& format) { return format_max(parse_format(format, "kv_format")); },
+      "kv_format"_a);
+  m.def(
+      "is_quantized",
+      [](const std::string& format) { return is_quantized(parse_format(format, "kv_format")); },
+      "kv_format"_a);
+  m.def(
+      "parse_layout",
+      [](const std::string& name) { return std::string(to_string(parse_layout(name, "layout"))); },
+      "layout"_a);
+  m.def(
+      "check_mode",
+      [](const std::string& q_mode, const std::string& p_mode) {
+        parse_q_mode(q_mode);
+        parse_p_mode(p_mode);
+      },
+      "q_mode"_a, "p_mode"_a);
+  m.def(
+      "workers",
+      [](const std::string& backend, int threads) {
+        return backend_for(backend, threads).workers();
+      },
+      "backend"_a, "threads"_a = 0);
   m.def("decode_row", &decode_row_bytes, "kv_format"_a, "row"_a, "head_dim"_a);
   m.def("encode_row", &encode_row_values, "kv_format"_a, "values"_a);
   m.def("decode", &decode_step, "backend"_a, "threads"_a, "kv_format"_a, "num_pages"_a,
-        "page_size"_a, "num_kv_heads"_a, "head_dim"_a, "strides"_a, "cache_data"_a,
-        "cache_bytes"_a, "granularity"_a, "k_scale"_a, "v_scale"_a, "scale_count"_a,
-        "block_table"_a, "num_seqs"_a, "max_pages_per_seq"_a, "seq_lens"_a, "q"_a,
-        "q_token_stride"_a, "q_head_stride"_a, "o"_a, "o_token_stride"_a, "o_head_stride"_a,
-        "lse"_a, "q_len"_a, "num_q_heads"_a, "causal"_a, "softmax_scale"_a, "q_mode"_a,
-        "p_mode"_a, "max_splits"_a);
+        "page_size"_a, "num_kv_heads"_a, "head_dim"_a, "strides"_a, "cache_data"_a, "cache_bytes"_a,
+        "granularity"_a, "k_scale"_a, "v_scale"_a, "scale_count"_a, "block_table"_a, "num_seqs"_a,
+        "max_pages_per_seq"_a, "seq_lens"_a, "q"_a, "q_token_stride"_a, "q_head_stride"_a, "o"_a,
+        "o_token_stride"_a, "o_head_stride"_a, "lse"_a, "q_len"_a, "num_q_heads"_a, "causal"_a,
+        "softmax_scale"_a, "q_mode"_a, "p_mode"_a, "max_splits"_a);
   m.def("write_kv", &write_kv_rows, "device"_a, "kv_format"_a, "num_pages"_a, "page_size"_a,
         "num_kv_heads"_a, "head_dim"_a, "strides"_a, "cache_data"_a, "cache_bytes"_a,
         "granularity"_a, "k_scale"_a, "v_scale"_a, "scale_count"_a, "k"_a, "k_token_stride"_a,
         "k_head_stride"_a, "v"_a, "v_token_stride"_a, "v_head_stride"_a, "slot_mapping"_a,
         "num_tokens"_a, "stream"_a);
-  m.def("plan", &plan_items, "seq_lens"_a, "num_seqs"_a, "q_len"_a, "num_kv_heads"_a,
-        "workers"_a, "max_splits"_a, "tile_tokens"_a, "min_chunk_tokens"_a, "fixed_splits"_a);
+  m.def("plan", &plan_items, "seq_lens"_a, "num_seqs"_a, "q_len"_a, "num_kv_heads"_a, "workers"_a,
+        "max_splits"_a, "tile_tokens"_a, "min_chunk_tokens"_a, "fixed_splits"_a);
 }

@@ -16,18 +16,24 @@ namespace mjolnir {
 
 std::string_view to_string(QMode mode) {
   switch (mode) {
-    case QMode::fp32: return "fp32";
-    case QMode::bf16: return "bf16";
-    case QMode::fp8: return "fp8";
+    case QMode::fp32:
+      return "fp32";
+    case QMode::bf16:
+      return "bf16";
+    case QMode::fp8:
+      return "fp8";
   }
   return "?";
 }
 
 std::string_view to_string(PMode mode) {
   switch (mode) {
-    case PMode::fp32: return "fp32";
-    case PMode::bf16: return "bf16";
-    case PMode::fp8: return "fp8";
+    case PMode::fp32:
+      return "fp32";
+    case PMode::bf16:
+      return "bf16";
+    case PMode::fp8:
+      return "fp8";
   }
   return "?";
 }
@@ -59,8 +65,8 @@ void validate(const DecodeArgs& args) {
   MJOLNIR_REQUIRE(p.num_q_heads >= 1 && p.num_q_heads % geo.num_kv_heads == 0,
                   "num_q_heads: ", p.num_q_heads, " is not a positive multiple of num_kv_heads ",
                   geo.num_kv_heads);
-  MJOLNIR_REQUIRE(std::isfinite(p.softmax_scale) && p.softmax_scale >= 0, "softmax_scale: ",
-                  p.softmax_scale, " must be finite and >= 0 (0 = 1/sqrt(D))");
+  MJOLNIR_REQUIRE(std::isfinite(p.softmax_scale) && p.softmax_scale >= 0,
+                  "softmax_scale: ", p.softmax_scale, " must be finite and >= 0 (0 = 1/sqrt(D))");
   validate(args.batch, geo, p.q_len);
 
   const std::int64_t rows = std::int64_t(args.batch.num_seqs()) * p.q_len;
@@ -73,8 +79,8 @@ void validate(const DecodeArgs& args) {
     MJOLNIR_REQUIRE(head_stride >= d, name, ".head_stride: ", head_stride,
                     " is less than head_dim ", d, " (head rows would overlap)");
     const std::int64_t token_span = head_stride * (p.num_q_heads - 1) + d;
-    MJOLNIR_REQUIRE(rows == 1 || token_stride >= token_span, name, ".token_stride: ",
-                    token_stride, " is less than the ", token_span,
+    MJOLNIR_REQUIRE(rows == 1 || token_stride >= token_span, name, ".token_stride: ", token_stride,
+                    " is less than the ", token_span,
                     " floats one token's heads span (rows would overlap)");
   };
   check_tensor(args.q.data, args.q.token_stride, args.q.head_stride, "q");
@@ -108,8 +114,9 @@ std::unique_ptr<Backend> make_backend(std::string_view name, const BackendOption
   detail::throw_error("backend: '", name, "' is not one of cuda, cpu, reference");
 #else
   if (name == "cuda") {
-    detail::throw_error("backend: 'cuda' is not in this build (configure with nvcc found and "
-                        "MJOLNIR_CUDA=ON)");
+    detail::throw_error(
+        "backend: 'cuda' is not in this build (configure with nvcc found and "
+        "MJOLNIR_CUDA=ON)");
   }
   detail::throw_error("backend: '", name, "' is not one of cpu, reference");
 #endif
@@ -125,8 +132,7 @@ void decode(const Backend& backend, const DecodeArgs& args, PlanOptions options)
   options.max_splits = plan.capacity.max_splits;
   make_plan(plan, args.batch.seq_lens, args.params.q_len, args.cache.geometry.num_kv_heads,
             options);
-  std::vector<std::byte> workspace(
-      backend.workspace_bytes(plan, args.cache.geometry, args.params));
+  std::vector<std::byte> workspace(backend.workspace_bytes(plan, args.cache.geometry, args.params));
   backend.run(args, plan, workspace);
 }
 

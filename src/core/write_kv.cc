@@ -116,9 +116,12 @@ void write_kv(const KvCacheView& cache, const TokenRows& k, const TokenRows& v,
   const auto row_scales = [&](int head, int kv) {
     const std::span<const float> all = kv == 0 ? cache.k_scale : cache.v_scale;
     switch (cache.granularity) {
-      case ScaleGranularity::tensor: return all.subspan(0, 1);
-      case ScaleGranularity::head: return all.subspan(std::size_t(head), 1);
-      case ScaleGranularity::channel: break;
+      case ScaleGranularity::tensor:
+        return all.subspan(0, 1);
+      case ScaleGranularity::head:
+        return all.subspan(std::size_t(head), 1);
+      case ScaleGranularity::channel:
+        break;
     }
     return all.subspan(std::size_t(head) * d, d);
   };
@@ -131,9 +134,9 @@ void write_kv(const KvCacheView& cache, const TokenRows& k, const TokenRows& v,
       for (const NamedRows& input : inputs) {
         const float* values = input.at(token, head);
         // SIMD, bit for bit encode_row(values / scale) (tested against it over every format).
-        cpu::encode_scaled_row(geometry.format, std::span<const float>(values, d),
-                               row_scales(head, input.kv),
-                               std::span<std::byte>(cache.row(page, head, offset, input.kv), row_bytes));
+        cpu::encode_scaled_row(
+            geometry.format, std::span<const float>(values, d), row_scales(head, input.kv),
+            std::span<std::byte>(cache.row(page, head, offset, input.kv), row_bytes));
         if (amax == nullptr) continue;
         std::span<float> maxima = input.kv == 0 ? amax->k_amax : amax->v_amax;
         float* head_maxima = maxima.data() + std::size_t(head) * head_dim;

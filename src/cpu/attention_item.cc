@@ -87,9 +87,8 @@ void run_attention_item(const DecodeArgs& args, const Plan& plan, const WorkItem
   s.o.resize(std::size_t(rows) * d);
   s.lse.resize(rows);
 
-  const float score_scale = item.kv_begin < item.kv_end
-                                ? prepare_query(args, item.seq, item.kv_head, g, s.q)
-                                : 0.0f;
+  const float score_scale =
+      item.kv_begin < item.kv_end ? prepare_query(args, item.seq, item.kv_head, g, s.q) : 0.0f;
   const float p_scale = p.p_mode == PMode::fp8 ? 256.0f : 1.0f;
 
   for (int first = item.kv_begin; first < item.kv_end; first += tile) {

@@ -82,13 +82,22 @@ constexpr int kSubTokens = 16;
 constexpr int kMaxFoldExp = 100;
 
 enum Slot : int {
-  kQNatural, kQKernel, kKeys, kKeysNatural, kScores, kProbs, kAcc, kRowState, kRowOffsets
+  kQNatural,
+  kQKernel,
+  kKeys,
+  kKeysNatural,
+  kScores,
+  kProbs,
+  kAcc,
+  kRowState,
+  kRowOffsets
 };
 
 // --- KV row addressing and prefetch ----------------------------------------------------------
 
 // Start of token `pos`'s slot in its page (head 0, K): page * stride.page + in_page * stride.token,
-// for the `count` tokens from `first`. A head's K or V row adds head * stride.head + kv * stride.kv.
+// for the `count` tokens from `first`. A head's K or V row adds head * stride.head + kv *
+// stride.kv.
 void TokenBases(const ItemContext& it, const std::int32_t* pages, int first, int count,
                 const std::uint8_t** bases) {
   const KvCacheView& cache = it.args->cache;
@@ -156,7 +165,8 @@ float PrepareQuery(const ItemContext& it, float* HWY_RESTRICT qn) {
 float MaxAbs(const float* HWY_RESTRICT x, std::size_t count) {
   const FloatTag df;
   auto m = hn::Zero(df);
-  for (std::size_t i = 0; i < count; i += hn::Lanes(df)) m = hn::Max(m, hn::Abs(hn::Load(df, x + i)));
+  for (std::size_t i = 0; i < count; i += hn::Lanes(df))
+    m = hn::Max(m, hn::Abs(hn::Load(df, x + i)));
   return hn::GetLane(hn::MaxOfLanes(df, m));
 }
 
@@ -250,10 +260,10 @@ void AccumulateValues(const ItemContext& it, const float* HWY_RESTRICT probs, st
 // One KV head of a unit: its prepared Q and running softmax state.
 struct HeadState {
   ItemContext it;
-  float* q;             // kernel-ready Q: [R][D] (fast) or [D][rows_padded] (exact)
-  float kernel_scale;   // turns q . k as computed into log2-scaled scores
-  float* acc;           // [R][D] O accumulator, decoder channel order
-  RowState state;       // m, l, alpha: [R] each
+  float* q;                         // kernel-ready Q: [R][D] (fast) or [D][rows_padded] (exact)
+  float kernel_scale;               // turns q . k as computed into log2-scaled scores
+  float* acc;                       // [R][D] O accumulator, decoder channel order
+  RowState state;                   // m, l, alpha: [R] each
   std::int64_t k_offset, v_offset;  // head's K and V rows from a token's base
 };
 
@@ -300,9 +310,18 @@ void RunUnit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, in
   for (int h = 0; h < heads; ++h) {
     HeadState& hs = head_state[h];
     const WorkItem& item = items[h];
-    hs.it = ItemContext{&args, &item, d, g, rows, args.params.q_len, tile,
-                        args.batch.seq_lens[item.seq], args.params.causal, args.params.p_mode,
-                        geo.row_bytes(), ld};
+    hs.it = ItemContext{&args,
+                        &item,
+                        d,
+                        g,
+                        rows,
+                        args.params.q_len,
+                        tile,
+                        args.batch.seq_lens[item.seq],
+                        args.params.causal,
+                        args.params.p_mode,
+                        geo.row_bytes(),
+                        ld};
     hs.k_offset = std::int64_t(item.kv_head) * cache.strides.head;
     hs.v_offset = hs.k_offset + cache.strides.kv;
     hs.q = q_all + q_floats * h;
@@ -317,7 +336,8 @@ void RunUnit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, in
     if (exact) {  // true values, transposed: lanes are query rows
       std::fill(hs.q, hs.q + rows_padded * d, 0.0f);
       for (int r = 0; r < rows; ++r) {
-        for (int c = 0; c < d; ++c) hs.q[std::size_t(c) * rows_padded + r] = qn[std::size_t(r) * d + c];
+        for (int c = 0; c < d; ++c)
+          hs.q[std::size_t(c) * rows_padded + r] = qn[std::size_t(r) * d + c];
       }
       hs.kernel_scale = score_scale;
     } else {  // decoder channel order, times 2^q_exp to meet raw k (= k 2^kRawExp)
@@ -330,7 +350,8 @@ void RunUnit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, in
         float* dst = hs.q + r * ld;
         if (natural) {
           const auto vf = hn::Set(df, fold);
-          for (int c = 0; c < d; c += int(hn::Lanes(df))) hn::Store(hn::Mul(hn::Load(df, src + c), vf), df, dst + c);
+          for (int c = 0; c < d; c += int(hn::Lanes(df)))
+            hn::Store(hn::Mul(hn::Load(df, src + c), vf), df, dst + c);
         } else {
           for (int i = 0; i < d; ++i) dst[i] = src[channel_of[i]] * fold;
         }
@@ -365,7 +386,8 @@ void RunUnit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, in
   };
   tile_bases(begin, bases);
   // The first tile's K rows, before anything else is in flight.
-  prefetcher.Reset(bases, std::min(tile, end - begin), k_offsets, heads, head_state[0].it.row_bytes);
+  prefetcher.Reset(bases, std::min(tile, end - begin), k_offsets, heads,
+                   head_state[0].it.row_bytes);
   prefetcher.Issue(prefetcher.rows());
   for (int first = begin; first < end; first += tile) {
     const int count = std::min(tile, end - first);
@@ -459,7 +481,8 @@ void RunUnit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, in
         const float f = cache.v_scale_at(kv_head, 0) * inv_l * unfold;
         if (natural) {
           const auto vf = hn::Set(df, f);
-          for (int c = 0; c < d; c += int(hn::Lanes(df))) hn::StoreU(hn::Mul(hn::Load(df, a + c), vf), df, o + c);
+          for (int c = 0; c < d; c += int(hn::Lanes(df)))
+            hn::StoreU(hn::Mul(hn::Load(df, a + c), vf), df, o + c);
         } else {
           for (int i = 0; i < d; ++i) o[channel_of[i]] = a[i] * f;
         }
@@ -471,9 +494,8 @@ void RunUnit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, in
 
 void RunWorkUnit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, int heads,
                  KernelScratch& scratch, const ItemOutput* outs) {
-  VisitDecoder(args.cache.geometry.format, [&]<class Decoder>() {
-    RunUnit<Decoder>(args, plan, items, heads, scratch, outs);
-  });
+  VisitDecoder(args.cache.geometry.format,
+               [&]<class Decoder>() { RunUnit<Decoder>(args, plan, items, heads, scratch, outs); });
 }
 
 #endif  // MJOLNIR_PORTABLE_TARGET

@@ -44,8 +44,8 @@ float FmaChains(std::int64_t rounds, double* flops) {
     }
   }
   *flops = 2.0 * kChains * static_cast<double>(hn::Lanes(d)) * static_cast<double>(rounds);
-  const auto s0 = hn::Add(hn::Add(hn::Add(c0, c1), hn::Add(c2, c3)),
-                          hn::Add(hn::Add(c4, c5), hn::Add(c6, c7)));
+  const auto s0 =
+      hn::Add(hn::Add(hn::Add(c0, c1), hn::Add(c2, c3)), hn::Add(hn::Add(c4, c5), hn::Add(c6, c7)));
   const auto s1 = hn::Add(hn::Add(hn::Add(c8, c9), hn::Add(c10, c11)),
                           hn::Add(hn::Add(c12, c13), hn::Add(c14, c15)));
   return hn::GetLane(hn::Add(s0, s1));

@@ -108,7 +108,8 @@ class CpuBackend final : public Backend {
     const PartialLayout parts{geometry.num_kv_heads, params.q_len * g, geometry.head_dim};
     return Backend::workspace_bytes(plan, geometry, params) +
            (parts.o_floats(max_part_slots(pool_.size())) +
-            2 * parts.lse_floats(max_part_slots(pool_.size()))) * sizeof(float);
+            2 * parts.lse_floats(max_part_slots(pool_.size()))) *
+               sizeof(float);
   }
 
   void run(const DecodeArgs& args, const Plan& plan,
@@ -194,8 +195,8 @@ class CpuBackend final : public Backend {
         destination(item, r, o, lse);
         merge_parts_row(part_o + layout.o_offset(merge.first_slot, item.kv_head, r),
                         part_stats + 2 * layout.lse_offset(merge.first_slot, item.kv_head, r),
-                        layout.o_offset(1, 0, 0), 2 * layout.lse_offset(1, 0, 0), merge.parts, d,
-                        o, lse);
+                        layout.o_offset(1, 0, 0), 2 * layout.lse_offset(1, 0, 0), merge.parts, d, o,
+                        lse);
       }
     });
 

@@ -45,8 +45,9 @@ HWY_INLINE Float4 Reduce4(DF df, hn::Vec<DF> a0, hn::Vec<DF> a1, hn::Vec<DF> a2,
 #if HWY_TARGET == HWY_SVE || HWY_TARGET == HWY_SVE2 || HWY_TARGET == HWY_SVE_256 || \
     HWY_TARGET == HWY_SVE2_128
   const Float4Tag d4;
-  alignas(16) float sums[4] = {hn::GetLane(hn::SumOfLanes(df, a0)), hn::GetLane(hn::SumOfLanes(df, a1)),
-                               hn::GetLane(hn::SumOfLanes(df, a2)), hn::GetLane(hn::SumOfLanes(df, a3))};
+  alignas(16) float sums[4] = {
+      hn::GetLane(hn::SumOfLanes(df, a0)), hn::GetLane(hn::SumOfLanes(df, a1)),
+      hn::GetLane(hn::SumOfLanes(df, a2)), hn::GetLane(hn::SumOfLanes(df, a3))};
   return hn::Load(d4, sums);
 #else
   // Within each 128-bit block: transpose-and-add the four vectors into one holding four partial
@@ -75,9 +76,8 @@ HWY_INLINE Float4 Reduce4(DF df, hn::Vec<DF> a0, hn::Vec<DF> a1, hn::Vec<DF> a2,
 // Fast path, one step of a 4-row x 2-key score block: vector kJ of a chunk of both keys,
 // decoded in registers, against the matching vector of 4 query rows (q, D floats apart).
 template <class Dec, std::size_t kJ, class DF, class VR, class V = hn::Vec<DF>>
-HWY_INLINE void ScoreStep4x2(DF df, const float* HWY_RESTRICT q, std::size_t qs, VR w0, VR w1,
-                             V u0, V u1, V& a00, V& a01, V& a10, V& a11, V& a20, V& a21, V& a30,
-                             V& a31) {
+HWY_INLINE void ScoreStep4x2(DF df, const float* HWY_RESTRICT q, std::size_t qs, VR w0, VR w1, V u0,
+                             V u1, V& a00, V& a01, V& a10, V& a11, V& a20, V& a21, V& a30, V& a31) {
   const auto x0 = InRegister(Dec::template Get<kJ>(df, w0, u0));
   const auto x1 = InRegister(Dec::template Get<kJ>(df, w1, u1));
   const auto q0 = InRegister(hn::Load(df, q));
@@ -99,8 +99,8 @@ HWY_INLINE void ScoreStep4x2(DF df, const float* HWY_RESTRICT q, std::size_t qs,
 // decodes every vector of the chunk up front, runs out of the 16 AVX2 registers and spills
 // accumulators to the stack inside the hottest loop.
 template <class VR, class V>
-HWY_INLINE void StepBarrier(VR& w0, VR& w1, V& a00, V& a01, V& a10, V& a11, V& a20, V& a21,
-                            V& a30, V& a31) {
+HWY_INLINE void StepBarrier(VR& w0, VR& w1, V& a00, V& a01, V& a10, V& a11, V& a20, V& a21, V& a30,
+                            V& a31) {
 #if HWY_ARCH_X86
   asm volatile(""
                : "+x"(w0.raw), "+x"(w1.raw), "+x"(a00.raw), "+x"(a01.raw), "+x"(a10.raw),
@@ -117,9 +117,8 @@ HWY_INLINE void StepBarrier(VR& w0, VR& w1, V& a00, V& a01, V& a10, V& a11, V& a
 // only Q (4 vectors per 8 FMAs) comes from L1. Returns the sums for k0 (rows 0..3) and k1.
 template <class Dec>
 HWY_INLINE void ScoreBlock4x2(const float* HWY_RESTRICT q, std::size_t qs, std::size_t d,
-                              const std::uint8_t* k0,
-                              const std::uint8_t* k1, std::size_t c0, std::size_t c1,
-                              Float4& sum0, Float4& sum1) {
+                              const std::uint8_t* k0, const std::uint8_t* k1, std::size_t c0,
+                              std::size_t c1, Float4& sum0, Float4& sum1) {
   using DF = typename Dec::Tag;
   const DF df;
   const std::size_t n = hn::Lanes(df);
@@ -178,7 +177,6 @@ HWY_INLINE void ScoreBlock1x2(const float* HWY_RESTRICT q, std::size_t d, const 
   *sum0 = s[0];
   *sum1 = s[1];
 }
-
 
 // --- P . V ---------------------------------------------------------------------------------------
 

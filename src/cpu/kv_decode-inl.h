@@ -75,7 +75,7 @@ struct DecodeFp8 {
 
   template <class DF>
   static HWY_INLINE hn::Vec<hn::RebindToSigned<DF>> Load(DF df, const std::uint8_t* row,
-                                                          std::size_t chunk, std::size_t) {
+                                                         std::size_t chunk, std::size_t) {
     const hn::RebindToSigned<DF> di;
     const hn::Rebind<std::int8_t, DF> d8;
     const std::size_t n = hn::Lanes(df);
@@ -88,8 +88,8 @@ struct DecodeFp8 {
   template <std::size_t kJ, class DF, class VR>
   static HWY_INLINE hn::Vec<DF> Get(DF df, VR raw, hn::Vec<DF>) {
     const hn::RebindToSigned<DF> di;
-    return hn::BitCast(df, hn::And(hn::ShiftLeft<kShift>(raw),
-                                   hn::Set(di, static_cast<std::int32_t>(kMask))));
+    return hn::BitCast(
+        df, hn::And(hn::ShiftLeft<kShift>(raw), hn::Set(di, static_cast<std::int32_t>(kMask))));
   }
 };
 
@@ -135,7 +135,7 @@ struct DecodeFp16 {
 
   template <class DF>
   static HWY_INLINE hn::Vec<hn::Rebind<hwy::float16_t, DF>> Load(DF df, const std::uint8_t* row,
-                                                                  std::size_t chunk, std::size_t) {
+                                                                 std::size_t chunk, std::size_t) {
     const hn::Rebind<hwy::float16_t, DF> dh;
     return LoadBytesAs(dh, row + chunk * 2 * hn::Lanes(df));
   }
@@ -168,8 +168,8 @@ HWY_INLINE hn::Vec<DF> E2M1Nibble(DF df, VU bytes32) {
   const hn::RebindToSigned<DF> di;
   const auto x = hn::BitCast(di, bytes32);
   const auto top = kJ == 0 ? hn::ShiftLeft<28>(x) : hn::ShiftLeft<24>(x);
-  return hn::BitCast(df, hn::And(hn::ShiftRight<6>(top),
-                                 hn::Set(di, static_cast<std::int32_t>(0x81C00000u))));
+  return hn::BitCast(
+      df, hn::And(hn::ShiftRight<6>(top), hn::Set(di, static_cast<std::int32_t>(0x81C00000u))));
 }
 
 struct DecodeE2M1 {
@@ -250,8 +250,8 @@ struct DecodeFp6 {
     constexpr std::size_t n = kBlockLanes;
     // Lane j of a block gets bytes 3j..3j+2 (from 4 further on in a shifted block); the fourth
     // byte is never used (shifted out), so it repeats an index to stay in range everywhere.
-    alignas(16) static constexpr std::uint8_t kGroups[16] = {0, 1, 2, 2,  3,  4,  5,  5,
-                                                             6, 7, 8, 8,  9,  10, 11, 11};
+    alignas(16) static constexpr std::uint8_t kGroups[16] = {0, 1, 2, 2, 3, 4,  5,  5,
+                                                             6, 7, 8, 8, 9, 10, 11, 11};
     alignas(16) static constexpr std::uint8_t kGroupsShifted[16] = {4,  5,  6,  6,  7,  8,  9,  9,
                                                                     10, 11, 12, 12, 13, 14, 15, 15};
     const std::uint8_t* p = row + chunk * 3 * n;
@@ -275,8 +275,8 @@ struct DecodeFp6 {
   template <std::size_t kJ, class DF, class VR>
   static HWY_INLINE hn::Vec<DF> Get(DF df, VR words, hn::Vec<DF>) {
     const hn::RebindToSigned<DF> di;
-    constexpr int kUp = 26 - 6 * int(kJ);      // code kJ's sign to bit 31
-    constexpr int kDown = 3 + kMantissaBits;   // its 5 magnitude bits onto fp32 bits 20/21..
+    constexpr int kUp = 26 - 6 * int(kJ);     // code kJ's sign to bit 31
+    constexpr int kDown = 3 + kMantissaBits;  // its 5 magnitude bits onto fp32 bits 20/21..
     const auto mask = hn::Set(di, static_cast<std::int32_t>(0x80000000u | (0x1Fu << (26 - kDown))));
     return hn::BitCast(df, hn::And(hn::ShiftRight<kDown>(hn::ShiftLeft<kUp>(words)), mask));
   }
@@ -327,14 +327,22 @@ void ChannelOrder(std::size_t head_dim, std::int32_t* channel_of) {
 template <class Visitor>
 HWY_INLINE decltype(auto) VisitDecoder(Format format, Visitor&& visit) {
   switch (format) {
-    case Format::bf16: return visit.template operator()<DecodeBf16>();
-    case Format::fp16: return visit.template operator()<DecodeFp16>();
-    case Format::fp8_e4m3: return visit.template operator()<DecodeE4M3>();
-    case Format::fp8_e5m2: return visit.template operator()<DecodeE5M2>();
-    case Format::fp6_e2m3: return visit.template operator()<DecodeE2M3>();
-    case Format::fp6_e3m2: return visit.template operator()<DecodeE3M2>();
-    case Format::fp4_e2m1: return visit.template operator()<DecodeE2M1>();
-    case Format::nvfp4: break;
+    case Format::bf16:
+      return visit.template operator()<DecodeBf16>();
+    case Format::fp16:
+      return visit.template operator()<DecodeFp16>();
+    case Format::fp8_e4m3:
+      return visit.template operator()<DecodeE4M3>();
+    case Format::fp8_e5m2:
+      return visit.template operator()<DecodeE5M2>();
+    case Format::fp6_e2m3:
+      return visit.template operator()<DecodeE2M3>();
+    case Format::fp6_e3m2:
+      return visit.template operator()<DecodeE3M2>();
+    case Format::fp4_e2m1:
+      return visit.template operator()<DecodeE2M1>();
+    case Format::nvfp4:
+      break;
   }
   return visit.template operator()<DecodeNvfp4>();
 }
