@@ -58,6 +58,14 @@ def mark(ok: bool) -> str:
     return "" if ok else " ✗"
 
 
+def table_row(cells: list[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def table_header(head: list[str]) -> list[str]:
+    return [table_row(head), "|" + "---|" * len(head)]
+
+
 def fma_ceiling(row: dict, machine: dict) -> float | None:
     """The bandwidth fraction the FMA peak allows: a step does 2 (QK, PV) x Hq x q_len x D
     multiply-adds per KV token, 2 flops each, whatever the format; bytes are the format's."""
@@ -88,8 +96,7 @@ def long_table(rows: list[dict], backend: str, machine: dict) -> list[str]:
         )
         + ":",
         "",
-        "| " + " | ".join(head) + " |",
-        "|" + "---|" * len(head),
+        *table_header(head),
     ]
     for f in ordered_formats(long):
         target = TARGETS.get(backend, {}).get(f)
@@ -104,7 +111,7 @@ def long_table(rows: list[dict], backend: str, machine: dict) -> list[str]:
                     continue
                 frac = r["bandwidth_fraction"]
                 cells.append(f"{frac:.2f}" + (mark(frac >= target) if target else ""))
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append(table_row(cells))
     return lines
 
 
@@ -117,8 +124,7 @@ def qlen4_table(rows: list[dict]) -> list[str]:
         f"Speculative verify: q_len 4 against q_len 1 at the same context (target: ratio at most "
         f"{QLEN4_MAX_RATIO}):",
         "",
-        "| " + " | ".join(head) + " |",
-        "|" + "---|" * len(head),
+        *table_header(head),
     ]
     for f in ordered_formats(q4):
         for r in sorted((r for r in q4 if r["format"] == f), key=lambda r: r["batch"]):
@@ -144,8 +150,7 @@ def short_table(rows: list[dict]) -> list[str]:
         f"bandwidth), in microseconds (target: at most {SHORT_FLOOR_FACTOR:g} x floor + "
         f"{SHORT_SLACK_US:g} us):",
         "",
-        "| " + " | ".join(head) + " |",
-        "|" + "---|" * len(head),
+        *table_header(head),
     ]
     for f in ordered_formats(short):
         cells = [f]
@@ -156,7 +161,7 @@ def short_table(rows: list[dict]) -> list[str]:
                 continue
             ok = r["median_us"] <= SHORT_FLOOR_FACTOR * r["floor_us"] + SHORT_SLACK_US
             cells.append(f"{r['median_us']:.1f} ({r['floor_us']:.1f}){mark(ok)}")
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append(table_row(cells))
     return lines
 
 
@@ -172,15 +177,14 @@ def shapes_table(rows: list[dict]) -> list[str]:
     lines = [
         "Other shapes (reported, no target): fraction of the measured bandwidth, and the step time:",
         "",
-        "| " + " | ".join(head) + " |",
-        "|" + "---|" * len(head),
+        *table_header(head),
     ]
     for f in ordered_formats(shaped):
         cells = [f]
         for s in series:
             r = find(shaped, series=s, format=f)
             cells.append("-" if r is None else f"{r['bandwidth_fraction']:.2f} ({r['median_us'] / 1000:.1f} ms)")
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append(table_row(cells))
     return lines
 
 

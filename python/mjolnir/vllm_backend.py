@@ -121,10 +121,9 @@ class MjolnirCPUAttentionImpl(CPUAttentionBackendImpl):
     # What has been logged in this process: the start-up line once, each layer reason once.
     _logged: set = set()
 
-    def announce(self, kv_cache: torch.Tensor) -> None:
+    def announce(self, reason: Optional[str], kv_cache: torch.Tensor) -> None:
         """Logs, once per process, `Mjolnir decode enabled: ...` for the first layer mjolnir
-        takes, and each distinct reason a layer stays on vLLM's attention."""
-        reason = self.owner_reason(kv_cache)
+        takes (reason None), and each distinct reason a layer stays on vLLM's attention."""
         if reason is not None:
             if reason not in self._logged:
                 self._logged.add(reason)
@@ -142,8 +141,9 @@ class MjolnirCPUAttentionImpl(CPUAttentionBackendImpl):
             self.mjolnir_format(kv_cache))
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
-        self.announce(kv_cache)
-        if self.owner_reason(kv_cache) is not None:
+        reason = self.owner_reason(kv_cache)
+        self.announce(reason, kv_cache)
+        if reason is not None:
             return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
         n = slot_mapping.numel()
         k_scale, v_scale = self.scales(layer)
