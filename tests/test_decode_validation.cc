@@ -6,6 +6,7 @@
 #include <limits>
 #include <string>
 
+#include "expect_error.h"
 #include "mjolnir/decode.h"
 #include "mjolnir/error.h"
 #include "test_seed.h"
@@ -120,6 +121,88 @@ TEST(DecodeValidation, BadSoftmaxScale) {
   expect_rejected(
       [](DecodeArgs& a) { a.params.softmax_scale = std::numeric_limits<float>::quiet_NaN(); },
       "softmax_scale");
+}
+
+// The step a plan is made for, which the tests below change from the one that runs.
+struct PlannedStep {
+  std::vector<std::int32_t> seq_lens;
+  int q_len = 1;
+  int kv_heads = 1;
+};
+
+// Backend::run with a plan made for another step, or too small a workspace: an Error naming the
+// plan (or the workspace) before any page is read.
+void expect_run_rejected(const std::function<void(PlannedStep&)>& change,
+                         std::size_t workspace_shortfall, const std::string& argument,
+                         const std::string& detail) {
+  verify::Problem problem(small_spec());
+  const DecodeArgs args = problem.args();
+  for (const char* name : {"cpu", "reference"}) {
+    SCOPED_TRACE(name);
+    const auto backend = make_backend(name);
+    PlannedStep step{{args.batch.seq_lens.begin(), args.batch.seq_lens.end()},
+                     args.params.q_len,
+                     args.cache.geometry.num_kv_heads};
+    change(step);
+    Plan plan(PlanCapacity{4, step.kv_heads, 4});
+    PlanOptions options;
+    options.workers = backend->workers();
+    options.fixed_splits = 2;  // split partials and merges in play
+    options.tile_tokens = 16;
+    make_plan(plan, step.seq_lens, step.q_len, step.kv_heads, options);
+    std::vector<std::byte> workspace(
+        backend->workspace_bytes(plan, args.cache.geometry, args.params) - workspace_shortfall);
+    testing::expect_error([&] { backend->run(args, plan, workspace); }, argument, detail);
+  }
+}
+
+TEST(DecodeValidation, PlanMadeForAnotherStep) {
+  // Longer sequences than the step's: items would read past a sequence's pages.
+  expect_run_rejected([](PlannedStep& s) { s.seq_lens[0] += 16; }, 0, "plan.items[",
+                      "outside sequence 0");
+  // Shorter: the sequence's last tokens would be skipped.
+  expect_run_rejected([](PlannedStep& s) { s.seq_lens[1] -= 1; }, 0, "plan.items[",
+                      "ends at token 4");
+  expect_run_rejected([](PlannedStep& s) { s.seq_lens.pop_back(); }, 0, "plan.num_seqs", "differs");
+  expect_run_rejected([](PlannedStep& s) { s.q_len = 1; }, 0, "plan.q_len", "differs");
+  expect_run_rejected([](PlannedStep& s) { s.kv_heads = 1; }, 0, "plan.capacity.num_kv_heads",
+                      "differs");
+}
+
+TEST(DecodeValidation, PlanItemsOutsideTheStep) {
+  verify::Problem problem(small_spec());
+  const DecodeArgs args = problem.args();
+  const auto backend = make_backend("cpu");
+  Plan plan(PlanCapacity{2, args.cache.geometry.num_kv_heads, 4});
+  PlanOptions options;
+  make_plan(plan, args.batch.seq_lens, args.params.q_len, args.cache.geometry.num_kv_heads,
+            options);
+  std::vector<std::byte> workspace(
+      backend->workspace_bytes(plan, args.cache.geometry, args.params));
+  Plan bad = plan;
+  bad.items[0].kv_head = 7;
+  testing::expect_error([&] { backend->run(args, bad, workspace); }, "plan.items[0]", "KV head 7");
+  bad = plan;
+  bad.items[1].partial_slot = 1000;
+  testing::expect_error([&] { backend->run(args, bad, workspace); }, "plan.items[1]",
+                        "partial slot 1000");
+  bad = plan;
+  bad.num_splits[0] = 9;
+  testing::expect_error([&] { backend->run(args, bad, workspace); }, "plan.num_splits[0]");
+  bad = plan;
+  bad.num_items = int(plan.items.size()) + 1;
+  testing::expect_error([&] { backend->run(args, bad, workspace); }, "plan.num_items");
+}
+
+TEST(DecodeValidation, WorkspaceTooSmall) {
+  expect_run_rejected([](PlannedStep&) {}, 4, "workspace:", "workspace_bytes()");
+}
+
+TEST(DecodeValidation, ThreadsOutOfRange) {
+  testing::expect_error([] { make_backend("cpu", BackendOptions{.threads = -1}); },
+                        "options.threads", "outside [0, 4096]");
+  testing::expect_error([] { make_backend("cpu", BackendOptions{.threads = kMaxCpuThreads + 1}); },
+                        "options.threads");
 }
 
 }  // namespace

@@ -65,6 +65,12 @@ struct DecodeArgs {
 // bad one. Backends call it; it is public so callers can validate once up front.
 void validate(const DecodeArgs& args);
 
+// Checks that `plan` was made for this step: the same q_len, KV heads and sequences, every item
+// inside its sequence's tokens and the plan's partial slots, and each sequence covered to its
+// end. Throws Error naming the plan otherwise: a plan made for another step would read pages its
+// items no longer own. O(items); Backend::run calls it on every step.
+void check_plan(const Plan& plan, const DecodeArgs& args);
+
 // One implementation of the numerics contract. Backends are stateless between calls except for
 // their own resources (threads, streams), so one backend serves concurrent calls on distinct
 // workspaces.
@@ -82,15 +88,22 @@ class Backend {
   // Workspace run() needs for a plan of this capacity (split partials and scratch).
   virtual std::size_t workspace_bytes(const Plan& plan, const CacheGeometry& geometry,
                                       const DecodeParams& params) const;
-  // Runs a validated step with a plan made for it. Writes o (and lse) for every row.
-  virtual void run(const DecodeArgs& args, const Plan& plan, std::span<std::byte> workspace) const = 0;
+  // Runs a validated step with a plan made for it. Writes o (and lse) for every row. Throws
+  // Error when the plan does not match the step (check_plan) or the workspace is smaller than
+  // workspace_bytes().
+  virtual void run(const DecodeArgs& args, const Plan& plan,
+                   std::span<std::byte> workspace) const = 0;
 };
+
+// Most CPU worker threads a backend accepts (BackendOptions::threads).
+inline constexpr int kMaxCpuThreads = 4096;
 
 struct BackendOptions {
-  int threads = 0;  // CPU: worker threads, 0 = all cores
+  int threads = 0;  // CPU: worker threads, 0 = all cores; at most kMaxCpuThreads
 };
 
-// "reference" (the emulator), "cpu", "cuda" (when compiled). Throws Error for unknown names.
+// "reference" (the emulator), "cpu", "cuda" (when compiled). Throws Error for unknown names and
+// for options.threads outside [0, kMaxCpuThreads].
 std::unique_ptr<Backend> make_backend(std::string_view name, const BackendOptions& options = {});
 // Names of the backends compiled into this build, in preference order.
 std::vector<std::string> compiled_backends();

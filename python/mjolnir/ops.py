@@ -33,6 +33,9 @@ _BYTE_DTYPES = (torch.uint8, torch.int8)
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+# kMaxCpuThreads of mjolnir/decode.h.
+_MAX_CPU_THREADS = 4096
+
 def _require_tensor(name: str, value) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise ValueError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
@@ -207,6 +210,10 @@ def _decode_impl(output: Optional[torch.Tensor], q, kv_cache, block_table, seq_l
     ks, vs, granularity = _host_scales(k_scale, v_scale, cache["num_kv_heads"], head_dim)
     _ext.check_mode(q_mode, p_mode)
     name = _backend_for(device, backend)
+    if not isinstance(threads, int) or isinstance(threads, bool) or \
+            not 0 <= threads <= _MAX_CPU_THREADS:
+        raise ValueError(f"threads: {threads!r} is outside [0, {_MAX_CPU_THREADS}] "
+                         f"(0 = every core)")
 
     if num_tokens == 0:  # an empty step: nothing to read or write
         return output if output is not None else torch.empty(q.shape, dtype=q.dtype,

@@ -69,6 +69,8 @@ def decode_with(args, **changes):
     (dict(p_mode="fp4"), r"^p_mode: 'fp4' is not one of fp32, bf16, fp8"),
     (dict(softmax_scale=-1.0), r"^softmax_scale: -1"),
     (dict(backend="tpu"), r"^backend: 'tpu' is not one of"),
+    (dict(threads=-1), r"^threads: -1 is outside \[0, 4096\]"),
+    (dict(threads=5000), r"^threads: 5000 is outside \[0, 4096\]"),
 ])
 def test_decode_rejects(step, change, pattern):
     with pytest.raises(ValueError, match=pattern):

@@ -19,7 +19,7 @@ constexpr std::size_t kDecodeParamsV1 =
 constexpr std::size_t kDecodeArgsV1 =
     offsetof(mjolnir_decode_args, lse) + sizeof(mjolnir_decode_args::lse);
 
-constexpr std::int32_t kMaxThreads = 4096;
+constexpr std::int32_t kMaxThreads = kMaxCpuThreads;
 constexpr std::int32_t kNumPlanOptions = 5;
 
 struct OptionInfo {

@@ -90,6 +90,56 @@ void validate(const DecodeArgs& args) {
                   " ([num_seqs * q_len, Hq]) or none");
 }
 
+void check_plan(const Plan& plan, const DecodeArgs& args) {
+  const int num_seqs = args.batch.num_seqs();
+  const int hk = args.cache.geometry.num_kv_heads;
+  MJOLNIR_REQUIRE(plan.q_len == args.params.q_len, "plan.q_len: ", plan.q_len,
+                  " differs from params.q_len ", args.params.q_len,
+                  " (make the plan for this step)");
+  MJOLNIR_REQUIRE(plan.capacity.num_kv_heads == hk,
+                  "plan.capacity.num_kv_heads: ", plan.capacity.num_kv_heads,
+                  " differs from the cache's ", hk);
+  MJOLNIR_REQUIRE(plan.num_seqs == num_seqs, "plan.num_seqs: ", plan.num_seqs,
+                  " differs from the batch's ", num_seqs,
+                  " sequences (make the plan for this step)");
+  MJOLNIR_REQUIRE(plan.tile_tokens >= 1 && plan.tile_tokens <= 1024,
+                  "plan.tile_tokens: ", plan.tile_tokens, " is outside [1, 1024]");
+  MJOLNIR_REQUIRE(plan.num_items >= 0 && std::size_t(plan.num_items) <= plan.items.size(),
+                  "plan.num_items: ", plan.num_items, " is outside the plan's ", plan.items.size(),
+                  " items");
+  MJOLNIR_REQUIRE(std::size_t(num_seqs) <= plan.num_splits.size() &&
+                      std::size_t(num_seqs) <= plan.first_partial.size(),
+                  "plan.num_seqs: ", num_seqs, " exceeds the plan's capacity of ",
+                  plan.num_splits.size());
+  const std::int64_t slots = std::int64_t(plan.capacity.max_seqs) * plan.capacity.max_splits;
+  for (int b = 0; b < num_seqs; ++b) {
+    const std::int64_t first = plan.first_partial[b], splits = plan.num_splits[b];
+    MJOLNIR_REQUIRE(splits >= 1 && splits <= plan.capacity.max_splits &&
+                        (splits == 1 || (first >= 0 && first + splits <= slots)),
+                    "plan.num_splits[", b, "]: ", splits, " chunks from partial slot ", first,
+                    " do not fit the plan's ", slots, " slots");
+  }
+  const std::span<const std::int32_t> seq_lens = args.batch.seq_lens;
+  for (int i = 0; i < plan.num_items; ++i) {
+    const WorkItem& item = plan.items[i];
+    MJOLNIR_REQUIRE(item.seq >= 0 && item.seq < num_seqs && item.kv_head >= 0 && item.kv_head < hk,
+                    "plan.items[", i, "]: sequence ", item.seq, ", KV head ", item.kv_head,
+                    " is outside the step's ", num_seqs, " sequences and ", hk, " KV heads");
+    const int len = seq_lens[item.seq];
+    MJOLNIR_REQUIRE(item.kv_begin >= 0 && item.kv_begin <= item.kv_end && item.kv_end <= len,
+                    "plan.items[", i, "]: tokens [", item.kv_begin, ", ", item.kv_end,
+                    ") are outside sequence ", item.seq, "'s ", len,
+                    " (the plan was made for other seq_lens; make it for this step)");
+    MJOLNIR_REQUIRE(item.partial_slot >= -1 && item.partial_slot < slots, "plan.items[", i,
+                    "]: partial slot ", item.partial_slot, " is outside the plan's ", slots);
+    // make_plan lists a sequence's chunks in order: its last item ends at the sequence's end.
+    const bool last_of_seq = i + 1 == plan.num_items || plan.items[i + 1].seq != item.seq;
+    MJOLNIR_REQUIRE(!last_of_seq || item.kv_end == len, "plan.items[", i, "]: sequence ", item.seq,
+                    " ends at token ", item.kv_end, ", its seq_len is ", len,
+                    " (the plan was made for other seq_lens; make it for this step)");
+  }
+}
+
 std::size_t Backend::workspace_bytes(const Plan& plan, const CacheGeometry& geometry,
                                      const DecodeParams& params) const {
   const int g = params.num_q_heads / geometry.num_kv_heads;
@@ -107,6 +157,9 @@ std::vector<std::string> compiled_backends() {
 }
 
 std::unique_ptr<Backend> make_backend(std::string_view name, const BackendOptions& options) {
+  MJOLNIR_REQUIRE(options.threads >= 0 && options.threads <= kMaxCpuThreads,
+                  "options.threads: ", options.threads, " is outside [0, ", kMaxCpuThreads,
+                  "] (0 = every core)");
   if (name == "cpu") return cpu::make_cpu_backend(options);
   if (name == "reference") return reference::make_emulator_backend();
 #if MJOLNIR_HAS_CUDA

@@ -11,6 +11,7 @@
 #include "cpu/attention_kernel.h"
 #include "cpu/thread_pool.h"
 #include "cpu/work_units.h"
+#include "mjolnir/error.h"
 
 namespace mjolnir::cpu {
 
@@ -114,6 +115,10 @@ class CpuBackend final : public Backend {
 
   void run(const DecodeArgs& args, const Plan& plan,
            std::span<std::byte> workspace) const override {
+    check_plan(plan, args);
+    const std::size_t needed = workspace_bytes(plan, args.cache.geometry, args.params);
+    MJOLNIR_REQUIRE(workspace.size() >= needed, "workspace: ", workspace.size(),
+                    " bytes, workspace_bytes() is ", needed);
     // The pool and scratch serve one call at a time; concurrent callers wait their turn.
     std::lock_guard lock(run_mutex_);
     const int d = args.cache.geometry.head_dim;

@@ -91,8 +91,7 @@ class CudaBackend final : public Backend {
     const std::size_t needed = workspace_bytes(plan, geo, args.params);
     MJOLNIR_REQUIRE(workspace.size() >= needed, "workspace: ", workspace.size(),
                     " bytes, workspace_bytes() is ", needed);
-    MJOLNIR_REQUIRE(plan.q_len == args.params.q_len, "plan.q_len: ", plan.q_len,
-                    " differs from params.q_len ", args.params.q_len);
+    check_plan(plan, args);
     const std::string why = cuda::unsupported_reason(geo, args.params, plan.tile_tokens);
     MJOLNIR_REQUIRE(why.empty(), "backend cuda: ", why);
 
