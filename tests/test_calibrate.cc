@@ -16,9 +16,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include "expect_error.h"
 #include "mjolnir/calibrate.h"
 #include "mjolnir/error.h"
-#include "expect_error.h"
 #include "test_seed.h"
 
 namespace mjolnir {

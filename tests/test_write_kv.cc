@@ -14,11 +14,11 @@
 #include <string_view>
 #include <vector>
 
+#include "expect_error.h"
 #include "mjolnir/cache.h"
 #include "mjolnir/error.h"
 #include "mjolnir/format.h"
 #include "mjolnir/write_kv.h"
-#include "expect_error.h"
 #include "test_seed.h"
 
 namespace mjolnir {

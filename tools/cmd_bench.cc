@@ -2,11 +2,11 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
-#include <charconv>
 #include <cctype>
+#include <charconv>
 #include <cmath>
-#include <ctime>
 #include <cstdio>
+#include <ctime>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -84,8 +84,12 @@ struct Series {
 
 // A plain run: the grid the flags describe.
 Series series_from_flags(const BenchOptions& options) {
-  return Series{"", parse_heads(options.heads), options.head_dim, options.q_len,
-                {options.batch},  options.contexts,
+  return Series{"",
+                parse_heads(options.heads),
+                options.head_dim,
+                options.q_len,
+                {options.batch},
+                options.contexts,
                 parse_formats(options.formats)};
 }
 
@@ -350,11 +354,10 @@ CLI::App* add_bench_command(CLI::App& app, BenchOptions& options) {
       cmd->add_flag("--sweep", options.sweep,
                     "Run the fixed sweep (every format; 8k-128k; q_len 4; short contexts; Hq 64 "
                     "and D 256) and write its JSON to --results-dir unless --json is given");
-  cmd->add_option("--results-dir", options.results_dir,
-                  "Folder of the sweep's dated JSON file")
+  cmd->add_option("--results-dir", options.results_dir, "Folder of the sweep's dated JSON file")
       ->capture_default_str();
-  for (const char* grid_flag : {"--format", "--context", "--batch", "--q-len", "--heads",
-                                "--head-dim"}) {
+  for (const char* grid_flag :
+       {"--format", "--context", "--batch", "--q-len", "--heads", "--head-dim"}) {
     sweep->excludes(cmd->get_option(grid_flag));
   }
   return cmd;
@@ -389,8 +392,8 @@ int run_bench(const BenchOptions& options) {
     const std::string machine = limit.machine.contains("gpu")
                                     ? limit.machine["gpu"].get<std::string>()
                                     : cpu_model_name() + " " + std::to_string(threads) + "t";
-    json_path = sweep_results_path(options.results_dir, std::string(backend->name()), utc_date(),
-                                   machine);
+    json_path =
+        sweep_results_path(options.results_dir, std::string(backend->name()), utc_date(), machine);
   }
   std::ofstream json_file;
   if (!json_path.empty()) {

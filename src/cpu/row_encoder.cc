@@ -125,7 +125,8 @@ void EncodeNvfp4(std::span<const float> values, std::span<const float> scales, s
     ScaleGroup(values.data(), scales, first, scaled);
     for (std::size_t b = 0; b < kGroup; b += kNvfp4BlockSize) {
       float amax = 0.0f;
-      for (std::size_t i = 0; i < kNvfp4BlockSize; ++i) amax = std::max(amax, std::fabs(scaled[b + i]));
+      for (std::size_t i = 0; i < kNvfp4BlockSize; ++i)
+        amax = std::max(amax, std::fabs(scaled[b + i]));
       std::uint32_t scale_code = 0;
       if (amax != 0.0f) {
         scale_code = encode_minifloat<kE4M3Spec>(amax / 6.0f);
@@ -152,14 +153,22 @@ void EncodeScaledRow(Format format, std::span<const float> values, std::span<con
                      std::span<std::byte> row) {
   std::byte* out = row.data();
   switch (format) {
-    case Format::bf16: return EncodePlain<kBf16Spec>(values, scales, out);
-    case Format::fp16: return EncodePlain<kFp16Spec>(values, scales, out);
-    case Format::fp8_e4m3: return EncodePlain<kE4M3Spec>(values, scales, out);
-    case Format::fp8_e5m2: return EncodePlain<kE5M2Spec>(values, scales, out);
-    case Format::fp6_e2m3: return EncodePlain<kE2M3Spec>(values, scales, out);
-    case Format::fp6_e3m2: return EncodePlain<kE3M2Spec>(values, scales, out);
-    case Format::fp4_e2m1: return EncodePlain<kE2M1Spec>(values, scales, out);
-    case Format::nvfp4: return EncodeNvfp4(values, scales, out);
+    case Format::bf16:
+      return EncodePlain<kBf16Spec>(values, scales, out);
+    case Format::fp16:
+      return EncodePlain<kFp16Spec>(values, scales, out);
+    case Format::fp8_e4m3:
+      return EncodePlain<kE4M3Spec>(values, scales, out);
+    case Format::fp8_e5m2:
+      return EncodePlain<kE5M2Spec>(values, scales, out);
+    case Format::fp6_e2m3:
+      return EncodePlain<kE2M3Spec>(values, scales, out);
+    case Format::fp6_e3m2:
+      return EncodePlain<kE3M2Spec>(values, scales, out);
+    case Format::fp4_e2m1:
+      return EncodePlain<kE2M1Spec>(values, scales, out);
+    case Format::nvfp4:
+      return EncodeNvfp4(values, scales, out);
   }
 }
 
@@ -175,9 +184,7 @@ namespace mjolnir::cpu {
 HWY_EXPORT(EncodeScaledRow);
 HWY_EXPORT(AllFinite);
 
-bool all_finite(std::span<const float> values) {
-  return HWY_DYNAMIC_DISPATCH(AllFinite)(values);
-}
+bool all_finite(std::span<const float> values) { return HWY_DYNAMIC_DISPATCH(AllFinite)(values); }
 
 void encode_scaled_row(Format format, std::span<const float> values, std::span<const float> scales,
                        std::span<std::byte> row) {

@@ -18,11 +18,11 @@
 namespace mjolnir::cpu {
 
 struct WorkUnit {
-  int first_item = 0;   // plan.items[first_item, first_item + heads)
+  int first_item = 0;  // plan.items[first_item, first_item + heads)
   int heads = 0;
-  int kv_begin = 0;     // token range: the items' own, or one part of it
+  int kv_begin = 0;  // token range: the items' own, or one part of it
   int kv_end = 0;
-  int part_slot = -1;   // -1: writes the items' outputs; else this unit's part slot
+  int part_slot = -1;  // -1: writes the items' outputs; else this unit's part slot
 };
 
 // A chunk cut into token parts: parts [first_slot, first_slot + parts) merge into the outputs of

@@ -14,12 +14,10 @@ namespace mjolnir::reference {
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-constexpr float kFp8Max = 448.0f;      // e4m3 largest finite value: Q codes use the full range
-constexpr float kFp8PScale = 256.0f;   // fp8 P = e4m3(p * 256): p in (0, 1] lands in [.., 256]
+constexpr float kFp8Max = 448.0f;     // e4m3 largest finite value: Q codes use the full range
+constexpr float kFp8PScale = 256.0f;  // fp8 P = e4m3(p * 256): p in (0, 1] lands in [.., 256]
 
-float round_to(Format format, float x) {
-  return decode_element(format, encode_element(format, x));
-}
+float round_to(Format format, float x) { return decode_element(format, encode_element(format, x)); }
 
 // Decodes the K or V row of `position` of sequence `seq` (codes times nvfp4 block scales; the
 // outer scale is applied by the caller where the contract says).
@@ -57,7 +55,8 @@ PreparedQuery prepare_query(const DecodeArgs& args, int seq, int kv_head) {
 
   float sq = 1.0f;
   switch (p.q_mode) {
-    case QMode::fp32: break;
+    case QMode::fp32:
+      break;
     case QMode::bf16:
       for (float& x : prepared.values) x = round_to(Format::bf16, x);
       break;
@@ -76,9 +75,12 @@ PreparedQuery prepare_query(const DecodeArgs& args, int seq, int kv_head) {
 
 float round_probability(float p, PMode mode) {
   switch (mode) {
-    case PMode::fp32: return p;
-    case PMode::bf16: return round_to(Format::bf16, p);
-    case PMode::fp8: return round_to(Format::fp8_e4m3, p * kFp8PScale);
+    case PMode::fp32:
+      return p;
+    case PMode::bf16:
+      return round_to(Format::bf16, p);
+    case PMode::fp8:
+      return round_to(Format::fp8_e4m3, p * kFp8PScale);
   }
   return p;
 }

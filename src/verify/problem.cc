@@ -44,8 +44,8 @@ Problem::Problem(const ProblemSpec& spec) : spec_(spec) {
     used_pages += pages;
     max_pages_per_seq_ = std::max(max_pages_per_seq_, pages + 1);  // +1: an unused entry
   }
-  geometry_ = CacheGeometry{spec.format, std::max(1, used_pages + spec.extra_pages), page_size, hk,
-                            d};
+  geometry_ =
+      CacheGeometry{spec.format, std::max(1, used_pages + spec.extra_pages), page_size, hk, d};
   strides_ = layout_strides(geometry_, spec.layout);
   pool_.assign(pool_bytes(geometry_), kPoolSentinel);
 
@@ -110,10 +110,10 @@ Problem::Problem(const ProblemSpec& spec) : spec_(spec) {
       slots.resize(count);
       for (int i = 0; i < count; ++i) {
         const int pos = first + i;
-        slots[i] = std::int64_t(block_table_[std::size_t(b) * max_pages_per_seq_ +
-                                             pos / page_size]) *
-                       page_size +
-                   pos % page_size;
+        slots[i] =
+            std::int64_t(block_table_[std::size_t(b) * max_pages_per_seq_ + pos / page_size]) *
+                page_size +
+            pos % page_size;
       }
       write_kv(view, TokenRows{kv[b].data(), token_stride, 2 * d},
                TokenRows{kv[b].data() + d, token_stride, 2 * d}, slots);
@@ -126,12 +126,14 @@ Problem::Problem(const ProblemSpec& spec) : spec_(spec) {
     for (auto& part : kv) original_.insert(original_.end(), part.begin(), part.end());
   }
 
-  const std::size_t q_floats = std::size_t(num_seqs) * spec.params.q_len * spec_.params.num_q_heads * d;
+  const std::size_t q_floats =
+      std::size_t(num_seqs) * spec.params.q_len * spec_.params.num_q_heads * d;
   q_.resize(q_floats);
   for (float& x : q_) x = normal(rng);
   o_.assign(q_floats + 2 * kGuardFloats, kOutputSentinel);
-  lse_.assign(std::size_t(num_seqs) * spec.params.q_len * spec_.params.num_q_heads + 2 * kGuardFloats,
-              kOutputSentinel);
+  lse_.assign(
+      std::size_t(num_seqs) * spec.params.q_len * spec_.params.num_q_heads + 2 * kGuardFloats,
+      kOutputSentinel);
 }
 
 KvCacheView Problem::cache() const {

@@ -18,12 +18,12 @@ struct ProblemSpec {
   int page_size = 16;
   int head_dim = 128;
   int num_kv_heads = 8;
-  int group = 4;  // g = Hq / Hk
+  int group = 4;        // g = Hq / Hk
   DecodeParams params;  // q_len, causal, modes; num_q_heads is filled in from Hk * group
   std::vector<std::int32_t> seq_lens;  // 0 = padding request
-  int extra_pages = 0;          // unused pages added to the pool (and block table slack)
-  bool shuffle_pages = true;    // block tables map to a shuffled page order
-  bool keep_original_kv = true; // keep the float K/V for the exact reference (tests, verify)
+  int extra_pages = 0;                 // unused pages added to the pool (and block table slack)
+  bool shuffle_pages = true;           // block tables map to a shuffled page order
+  bool keep_original_kv = true;        // keep the float K/V for the exact reference (tests, verify)
   // 0: every position of a sequence is drawn. N > 0: only the first N positions are, and
   // position p holds the K/V of p % N. Every page is still its own memory, so the bench's long
   // caches read the same bytes as distinct data would, without minutes of drawing and gigabytes
@@ -67,7 +67,7 @@ class Problem {
   std::vector<std::int32_t> block_table_;
   int max_pages_per_seq_ = 0;
   std::vector<float> q_, o_, lse_;
-  std::vector<float> original_;  // [seq][position][head][kv][D] when kept
+  std::vector<float> original_;               // [seq][position][head][kv][D] when kept
   std::vector<std::size_t> original_offset_;  // per seq
 };
 
