@@ -93,6 +93,11 @@ class Backend {
   // workspace_bytes().
   virtual void run(const DecodeArgs& args, const Plan& plan,
                    std::span<std::byte> workspace) const = 0;
+
+ protected:
+  // What every run() checks first: check_plan(), and a workspace of workspace_bytes() at least.
+  void check_run(const DecodeArgs& args, const Plan& plan,
+                 std::span<const std::byte> workspace) const;
 };
 
 // Most CPU worker threads a backend accepts (BackendOptions::threads).

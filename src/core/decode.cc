@@ -140,6 +140,14 @@ void check_plan(const Plan& plan, const DecodeArgs& args) {
   }
 }
 
+void Backend::check_run(const DecodeArgs& args, const Plan& plan,
+                        std::span<const std::byte> workspace) const {
+  check_plan(plan, args);
+  const std::size_t needed = workspace_bytes(plan, args.cache.geometry, args.params);
+  MJOLNIR_REQUIRE(workspace.size() >= needed, "workspace: ", workspace.size(),
+                  " bytes, workspace_bytes() is ", needed);
+}
+
 std::size_t Backend::workspace_bytes(const Plan& plan, const CacheGeometry& geometry,
                                      const DecodeParams& params) const {
   const int g = params.num_q_heads / geometry.num_kv_heads;

@@ -11,7 +11,6 @@
 #include "cpu/attention_kernel.h"
 #include "cpu/thread_pool.h"
 #include "cpu/work_units.h"
-#include "mjolnir/error.h"
 
 namespace mjolnir::cpu {
 
@@ -115,10 +114,7 @@ class CpuBackend final : public Backend {
 
   void run(const DecodeArgs& args, const Plan& plan,
            std::span<std::byte> workspace) const override {
-    check_plan(plan, args);
-    const std::size_t needed = workspace_bytes(plan, args.cache.geometry, args.params);
-    MJOLNIR_REQUIRE(workspace.size() >= needed, "workspace: ", workspace.size(),
-                    " bytes, workspace_bytes() is ", needed);
+    check_run(args, plan, workspace);
     // The pool and scratch serve one call at a time; concurrent callers wait their turn.
     std::lock_guard lock(run_mutex_);
     const int d = args.cache.geometry.head_dim;

@@ -88,10 +88,7 @@ class CudaBackend final : public Backend {
     require_device_pointer(args.o.data, "o.data");
     require_device_pointer(args.lse.data(), "lse");
     require_device_pointer(workspace.data(), "workspace");
-    const std::size_t needed = workspace_bytes(plan, geo, args.params);
-    MJOLNIR_REQUIRE(workspace.size() >= needed, "workspace: ", workspace.size(),
-                    " bytes, workspace_bytes() is ", needed);
-    check_plan(plan, args);
+    check_run(args, plan, workspace);
     const std::string why = cuda::unsupported_reason(geo, args.params, plan.tile_tokens);
     MJOLNIR_REQUIRE(why.empty(), "backend cuda: ", why);
 

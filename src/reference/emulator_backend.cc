@@ -3,7 +3,6 @@
 
 #include <vector>
 
-#include "mjolnir/error.h"
 #include "reference/emulator.h"
 
 namespace mjolnir::reference {
@@ -20,10 +19,7 @@ class EmulatorBackend final : public Backend {
 
   void run(const DecodeArgs& args, const Plan& plan,
            std::span<std::byte> workspace) const override {
-    check_plan(plan, args);
-    const std::size_t needed = workspace_bytes(plan, args.cache.geometry, args.params);
-    MJOLNIR_REQUIRE(workspace.size() >= needed, "workspace: ", workspace.size(),
-                    " bytes, workspace_bytes() is ", needed);
+    check_run(args, plan, workspace);
     const int d = args.cache.geometry.head_dim;
     const int hk = args.cache.geometry.num_kv_heads;
     const int g = args.params.num_q_heads / hk;
