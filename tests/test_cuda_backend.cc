@@ -324,8 +324,10 @@ TEST(CudaGraph, ReplaysNewPlansWithoutRecapture) {
     cuda_ok(cudaMemcpy(scales.as<float>() + scale_floats, host.cache.v_scale.data(),
                        scale_floats * 4, cudaMemcpyHostToDevice),
             "v scales");
-    cuda_ok(cudaMemset(o.data, 0xFF, o.bytes), "poison o");
-    cuda_ok(cudaMemset(lse.data, 0xFF, lse.bytes), "poison lse");
+    // On the graph's stream: a non-blocking stream is not ordered after the legacy stream's
+    // cudaMemset, so a plain memset could land after the replay's first writes.
+    cuda_ok(cudaMemsetAsync(o.data, 0xFF, o.bytes, stream), "poison o");
+    cuda_ok(cudaMemsetAsync(lse.data, 0xFF, lse.bytes, stream), "poison lse");
 
     PlanOptions options = first_options;
     options.tile_tokens = steps[i].tile_tokens;

@@ -11,6 +11,7 @@
 #if MJOLNIR_HAS_CUDA
 #include <cstdio>
 #include <cstdlib>
+#include <ctime>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <vector>
@@ -39,6 +40,14 @@ TEST(CudaBench, MeasuresASmallStep) {
   EXPECT_GT(copy, 0);
   std::printf("[ cuda     ] %s: smoke step %.1f us (%.1f GB/s); copy bandwidth %.0f GB/s\n",
               r.device.c_str(), r.median_us, r.gbps, copy);
+}
+
+// Today's date (UTC), YYYY-MM-DD, for the results file.
+std::string today() {
+  const std::time_t now = std::time(nullptr);
+  char text[16];
+  std::strftime(text, sizeof(text), "%Y-%m-%d", std::gmtime(&now));
+  return text;
 }
 
 // The configurations of the CUDA issue's targets (Hq 32, Hk 8, D 128, page 16, q_len 1 unless
@@ -86,8 +95,8 @@ TEST(CudaBench, Table) {
   const std::string device = cuda::device_name();
   std::printf("device: %s, device-to-device copy bandwidth %.0f GB/s (read + write)\n",
               device.c_str(), copy);
-  std::printf("%-9s %6s %8s %6s %5s %5s %12s %10s %8s %7s\n", "format", "batch", "context", "q_len",
-              "hq", "d", "median_us", "KV_MiB", "GB/s", "of_copy");
+  std::printf("%-9s %6s %8s %6s %5s %5s %12s %10s %8s %7s %s\n", "format", "batch", "context",
+              "q_len", "hq", "d", "median_us", "KV_MiB", "GB/s", "of_copy", "body");
   nlohmann::ordered_json results = nlohmann::ordered_json::array();
   for (const cuda::BenchSpec& s : bench_configs()) {
     cuda::BenchResult r;
@@ -100,13 +109,14 @@ TEST(CudaBench, Table) {
       continue;
     }
     const double fraction = r.gbps / copy;
-    std::printf("%-9s %6d %8d %6d %5d %5d %12.1f %10.1f %8.1f %6.1f%%\n",
+    std::printf("%-9s %6d %8d %6d %5d %5d %12.1f %10.1f %8.1f %6.1f%% %s\n",
                 std::string(to_string(s.format)).c_str(), s.batch, s.context, s.q_len,
                 s.num_q_heads, s.head_dim, r.median_us, double(r.kv_bytes) / (1 << 20), r.gbps,
-                100 * fraction);
+                100 * fraction, r.body.c_str());
     std::fflush(stdout);
     results.push_back({
         {"backend", "cuda"},
+        {"body", r.body},
         {"format", std::string(to_string(s.format))},
         {"batch", s.batch},
         {"context", s.context},
@@ -130,7 +140,7 @@ TEST(CudaBench, Table) {
     });
   }
   const nlohmann::ordered_json document = {
-      {"machine", {{"gpu", device}, {"copy_bandwidth_gbps", copy}}},
+      {"machine", {{"gpu", device}, {"copy_bandwidth_gbps", copy}, {"date", today()}}},
       {"results", results},
   };
   std::ofstream out(path);

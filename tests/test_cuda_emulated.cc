@@ -20,6 +20,7 @@
 
 #include "cuda/decode_config.h"
 #include "cuda/decode_kernel.cuh"
+#include "cuda/decode_mma_kernel.cuh"
 #include "cuda/step_layout.h"
 #include "cuda/write_kv_kernel.cuh"
 #include "mjolnir/write_kv.h"
@@ -29,8 +30,9 @@
 namespace mjolnir::cuda {
 namespace {
 
-// Shared memory per CTA on an H100 / H200 (opt-in).
+// Shared memory per CTA on an H100 / H200 (opt-in), and their compute capability.
 constexpr std::size_t kHopperSmem = 227 * 1024;
+constexpr int kHopper = 90;
 
 emulation::CtaRunner& runner() {
   static emulation::CtaRunner pool(kDecodeThreads);
@@ -87,10 +89,18 @@ class EmulatedKernels final : public Backend {
     shape.partial_slots = std::size_t(plan.capacity.max_seqs) * plan.capacity.max_splits;
     const DecodeConfig config =
         make_decode_config(args, args.cache.k_scale.data(), args.cache.v_scale.data(), step.data(),
-                           workspace, shape, smem_limit_);
+                           workspace, shape, smem_limit_, kHopper);
     EXPECT_LE(config.smem_bytes, kEmulatedSharedMemoryBytes);
     last_pass_rows = config.params.pass_rows;
+    last_body = config.body;
     for (int b = 0; b < shape.decode_ctas; ++b) {
+      if (config.body == DecodeBody::tensor_core) {
+        with_mma_shape(geo.format, geo.head_dim, [&]<Format kFormat, int kHeadDim>() {
+          runner().run(kMmaThreads, unsigned(b),
+                       [&] { decode_mma_kernel<kFormat, kHeadDim>(config.params); });
+        });
+        continue;
+      }
       with_format(geo.format, [&]<Format kFormat>() {
         runner().run(kDecodeThreads, unsigned(b), [&] { decode_kernel<kFormat>(config.params); });
       });
@@ -100,6 +110,7 @@ class EmulatedKernels final : public Backend {
     }
   }
   mutable int last_pass_rows = 0;
+  mutable DecodeBody last_body = DecodeBody::exact_order;
 
  private:
   std::size_t smem_limit_;
@@ -107,7 +118,7 @@ class EmulatedKernels final : public Backend {
 };
 
 struct Tally {
-  int cases = 0, bit_exact = 0, multi_pass = 0;
+  int cases = 0, bit_exact = 0, multi_pass = 0, tensor_core = 0;
   double worst = 0;
 };
 
@@ -120,10 +131,12 @@ Tally run_all(const std::vector<verify::Case>& cases, const EmulatedKernels& bac
     if (r.error_vs_emulator == 0) ++tally.bit_exact;
     tally.worst = std::max(tally.worst, r.error_vs_emulator);
     if (backend.last_pass_rows < c.spec.group * c.spec.params.q_len) ++tally.multi_pass;
+    if (backend.last_body == DecodeBody::tensor_core) ++tally.tensor_core;
   }
   std::cout << "[ emulated ] " << tally.cases << " cases, " << tally.bit_exact
             << " bit-identical to the emulator, worst rel L2 " << tally.worst << ", "
-            << tally.multi_pass << " in several row passes" << std::endl;
+            << tally.multi_pass << " in several row passes, " << tally.tensor_core
+            << " on the tensor-core body" << std::endl;
   return tally;
 }
 
@@ -195,6 +208,28 @@ TEST(CudaEmulated, OddShapes) {
   cases.push_back(odd_case(Format::nvfp4, Layout::B2NHD, 16, 96, 2, 2, true, 2, 32, QMode::fp32,
                            PMode::bf16, ScaleGranularity::head, {77, 20}, seed++));
   run_all(cases, EmulatedKernels(kHopperSmem, 128));
+}
+
+// The tensor-core body (fp32 P): every format it takes, D 64 / 128 / 256, 1 to 16 query rows,
+// every Q mode, causal and not, splits, partial last steps, layouts and scale granularities.
+TEST(CudaEmulated, TensorCoreBody) {
+  std::uint64_t seed = testing::test_seed() + 11;
+  const std::vector<verify::Case> cases = {
+      odd_case(Format::fp8_e4m3, Layout::B2NHD, 16, 128, 4, 1, true, 2, 64, QMode::fp32,
+               PMode::fp32, ScaleGranularity::tensor, {300, 45, 0, 17}, seed++),
+      odd_case(Format::fp8_e5m2, Layout::BHN2D, 8, 64, 8, 2, true, 1, 32, QMode::bf16, PMode::fp32,
+               ScaleGranularity::channel, {77, 3}, seed++),
+      odd_case(Format::bf16, Layout::_2BHND, 32, 128, 2, 4, false, 3, 16, QMode::fp32, PMode::fp32,
+               ScaleGranularity::head, {150, 33}, seed++),
+      odd_case(Format::fp16, Layout::BNH2D, 16, 64, 16, 1, true, 1, 64, QMode::fp8, PMode::fp32,
+               ScaleGranularity::channel, {90, 0, 129}, seed++),
+      odd_case(Format::fp8_e4m3, Layout::B2HND, 16, 256, 5, 3, true, 2, 48, QMode::fp8, PMode::fp32,
+               ScaleGranularity::head, {200, 31}, seed++),
+      odd_case(Format::bf16, Layout::B2NHD, 64, 64, 1, 1, true, 1, 64, QMode::bf16, PMode::fp32,
+               ScaleGranularity::tensor, {1, 65}, seed++),
+  };
+  const Tally tally = run_all(cases, EmulatedKernels(kHopperSmem));
+  EXPECT_EQ(tally.tensor_core, int(cases.size()));
 }
 
 // A device with less shared memory: the query rows no longer fit one pass.

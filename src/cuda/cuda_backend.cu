@@ -17,9 +17,11 @@ namespace mjolnir::cuda {
 
 namespace {
 
-// Plans are made for SMs x this many resident CTAs: the decode CTA of a typical configuration
-// (D 128, g 4, q_len 1) uses about 60 KB of shared memory, so two to three fit an SM.
-constexpr int kPlannedCtasPerSm = 2;
+// Plans are made for SMs x this many CTAs. The tensor-core CTA (four warps, about 128 registers
+// a thread at D 128) fits four to an SM, and a wave of two per resident slot keeps enough loads
+// in flight while the last items of a step drain; the exact-order CTA fits two or three, so its
+// plans take more than one wave.
+constexpr int kPlannedCtasPerSm = 8;
 
 // The step buffers the synchronous run() reuses, grown when a call needs more.
 bool covers(const StepCapacity& have, const StepCapacity& need) {

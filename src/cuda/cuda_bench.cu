@@ -10,6 +10,7 @@
 
 #include "cuda/cuda_check.h"
 #include "cuda/cuda_decode.h"
+#include "cuda/decode_launch.h"
 #include "cuda/kv_codec.cuh"
 #include "mjolnir/error.h"
 
@@ -279,6 +280,7 @@ BenchResult bench_decode(const BenchSpec& spec) {
   Plan plan(capacity.plan);
   make_plan(plan, seq_lens, spec.q_len, spec.num_kv_heads, options);
   result.num_items = plan.num_items;
+  result.body = chosen_body(args) == DecodeBody::tensor_core ? "tensor_core" : "exact_order";
   DecodeStep step(capacity);
   DeviceMemory workspace(decode_workspace_bytes(capacity, geometry, args.params));
   const std::span<std::byte> workspace_span(

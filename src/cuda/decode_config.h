@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <string>
 
 #include "cuda/decode_params.h"
 #include "mjolnir/decode.h"
@@ -22,8 +23,15 @@ struct LaunchShape {
   std::size_t partial_slots = 0;  // slots the workspace holds (PartialLayout)
 };
 
+// Which CTA body runs the items (docs/cuda.md, "The kernels").
+enum class DecodeBody {
+  exact_order,  // decode_kernel.cuh: any shape and mode, the emulator's order of operations
+  tensor_core,  // decode_mma_kernel.cuh: fp32 P, <= 16 query rows, D 64/128/256, 16-byte rows
+};
+
 struct DecodeConfig {
   DecodeKernelParams params;
+  DecodeBody body = DecodeBody::exact_order;
   std::size_t smem_bytes = 0;
 };
 
@@ -56,6 +64,27 @@ inline int copy_bytes_for(const KvCacheView& cache) {
   return 1;
 }
 
+// Why the tensor-core body cannot run this launch, or empty when it can: it needs fp32 P (the
+// rounded P modes need the emulator's exact order), a format whose codes convert to an MMA operand
+// in registers, D of 64, 128 or 256 (at most 256 bytes per lane slice), at most 16 query rows,
+// 16-byte aligned rows, and sm_80 (mma.sync; fp8 conversions in hardware from sm_89, emulated
+// before). `compute_capability` is major * 10 + minor.
+inline std::string tensor_core_unsupported(const KvCacheView& cache, const DecodeParams& params,
+                                           int rows, int compute_capability,
+                                           std::size_t max_smem_per_block) {
+  const CacheGeometry& geo = cache.geometry;
+  if (params.p_mode != PMode::fp32) return "P mode is not fp32";
+  if (!mma_format(geo.format)) return "format has no tensor-core body";
+  const int d = geo.head_dim;
+  if (d != 64 && d != 128 && d != 256) return "head_dim is not 64, 128 or 256";
+  if (d == 256 && geo.row_bytes() > 256) return "16-bit rows of 256 channels";
+  if (rows > kMmaRows) return "more than 16 query rows (q_len * group)";
+  if (copy_bytes_for(cache) != 16) return "rows are not 16-byte aligned";
+  if (compute_capability < 80) return "device older than sm_80";
+  if (mma_smem(d).bytes > max_smem_per_block) return "shared memory";
+  return {};
+}
+
 // Shared memory of one decode CTA holding `rows` query rows.
 inline std::size_t decode_smem_bytes(const DecodeKernelParams& p, int rows) {
   return decode_smem(rows, p.head_dim, p.sub_tokens, p.score_stride, p.raw_row_stride).bytes;
@@ -80,12 +109,14 @@ inline int pass_rows_for(int rows, const DecodeKernelParams& p, std::size_t limi
 
 // The kernel parameters of one launch: pointers and shapes from `args` (cache.data, q, o, lse
 // as the kernels will dereference them), the device scales, the step buffer and the workspace;
-// the configuration for a device allowing `max_smem_per_block` bytes of shared memory per CTA.
-// Throws Error when the workspace is too small or not even one query row fits.
+// the configuration for a device allowing `max_smem_per_block` bytes of shared memory per CTA,
+// of compute capability `compute_capability` (major * 10 + minor): the tensor-core body where
+// tensor_core_unsupported() allows it, the exact-order body otherwise. Throws Error when the
+// workspace is too small or not even one query row fits.
 inline DecodeConfig make_decode_config(const DecodeArgs& args, const float* k_scale,
                                        const float* v_scale, const std::byte* step_device,
                                        std::span<std::byte> workspace, const LaunchShape& shape,
-                                       std::size_t max_smem_per_block) {
+                                       std::size_t max_smem_per_block, int compute_capability) {
   const KvCacheView& cache = args.cache;
   const CacheGeometry& geo = cache.geometry;
   const DecodeParams& params = args.params;
@@ -142,6 +173,11 @@ inline DecodeConfig make_decode_config(const DecodeArgs& args, const float* k_sc
                   " with head_dim ", geo.head_dim, " needs more shared memory per CTA than the ",
                   max_smem_per_block, " bytes the device allows");
   config.smem_bytes = decode_smem_bytes(p, p.pass_rows);
+  if (tensor_core_unsupported(cache, params, p.rows, compute_capability, max_smem_per_block)
+          .empty()) {
+    config.body = DecodeBody::tensor_core;
+    config.smem_bytes = mma_smem(geo.head_dim).bytes;
+  }
   return config;
 }
 

@@ -1,12 +1,13 @@
-// The decode kernel (one CTA per work item) and the LSE merge kernel of split sequences.
+// The exact-order decode kernel (one CTA per work item) and the LSE merge kernel of split
+// sequences.
 //
-// v1 runs the numerics contract on CUDA cores in fp32, in the emulator's order of operations
-// (docs/cuda.md, "Numerics"): the QK dot products sum channels 0..D-1 one at a time, P.V adds
-// tokens in order, l sums the tile's p in order, and exp2 / log2 / exp / log are correctly
-// rounded. Only the format decode is parallel, and it is exact. So the Q codes and P codes are the
-// emulator's, and O matches it to the last bit except where the host's libm rounds differently.
-// A tensor-core path (mma e4m3 / wgmma) slots in as another CTA body behind the same
-// DecodeKernelParams and dispatch (decode_launch.cu); it will reorder the QK sums.
+// This body runs the numerics contract on CUDA cores in fp32, in the emulator's order of
+// operations (docs/cuda.md, "Numerics"): the QK dot products sum channels 0..D-1 one at a time,
+// P.V adds tokens in order, l sums the tile's p in order, and exp2 / log2 / exp / log are
+// correctly rounded. Only the format decode is parallel, and it is exact. So the Q codes and P
+// codes are the emulator's, and O matches it to the last bit except where the host's libm rounds
+// differently. It serves every format and mode; the tensor-core body (decode_mma_kernel.cuh)
+// takes the fp32-P launches it can (decode_config.h chooses).
 //
 // Per work item (sequence, KV head, KV range [kv_begin, kv_end)) the CTA holds up to
 // pass_rows of the q_len * g query rows (more rows take several passes over the range) and
@@ -24,6 +25,7 @@
 
 #include <cstdint>
 
+#include "cuda/decode_item.cuh"
 #include "cuda/decode_params.h"
 #include "cuda/kv_codec.cuh"
 
@@ -85,17 +87,14 @@ struct Stage {
 };
 
 template <Format kFormat>
-class DecodeCta {
+class DecodeCta : DecodeItem {
  public:
   static constexpr int kThreads = kDecodeThreads;
   static constexpr int kWarps = kThreads / 32;
 
   __device__ DecodeCta(const DecodeKernelParams& p, std::uint8_t* smem, const StepHeader& header,
                        const WorkItem& item)
-      : p_(p), item_(item), tile_tokens_(header.tile_tokens) {
-    const SeqEntry seq = reinterpret_cast<const SeqEntry*>(p.step + header.seqs_offset)[item.seq];
-    seq_len_ = seq.seq_len;
-    pages_ = reinterpret_cast<const std::int32_t*>(p.step + header.pages_offset) + seq.page_start;
+      : DecodeItem(p, header, item), tile_tokens_(header.tile_tokens) {
     const DecodeSmem layout =
         decode_smem(p.pass_rows, p.head_dim, p.sub_tokens, p.score_stride, p.raw_row_stride);
     raw_ = smem + layout.raw;
@@ -111,7 +110,7 @@ class DecodeCta {
 
   __device__ void run() {
     if (item_.kv_begin >= item_.kv_end) {  // padding request: O = 0, LSE = -inf, reads nothing
-      write_empty_rows();
+      write_empty_rows<kThreads>();
       return;
     }
     prepare_query_scale();
@@ -125,108 +124,12 @@ class DecodeCta {
   }
 
  private:
-  // --- addressing ---
-
-  // Start of the packed K (kv 0) or V (kv 1) row of sequence position `position`.
-  __device__ const std::uint8_t* kv_row(int position, int kv) const {
-    const std::int64_t page = pages_[position >> p_.page_shift];
-    return p_.pool + page * p_.page_stride + std::int64_t(item_.kv_head) * p_.head_stride +
-           std::int64_t(position & (p_.page_size - 1)) * p_.token_stride +
-           std::int64_t(kv) * p_.kv_stride;
-  }
-
-  // Query row r = t * g + j of the item: token t of the sequence, head j of the group.
-  __device__ const float* query_row(int r) const {
-    const int t = r / p_.group, j = r - t * p_.group;
-    return p_.q + (std::int64_t(item_.seq) * p_.q_len + t) * p_.q_token_stride +
-           std::int64_t(item_.kv_head * p_.group + j) * p_.q_head_stride;
-  }
-
-  // Where row r's O goes: the output tensor, or the item's partial slot (PartialLayout).
-  __device__ float* output_row(int r) const {
-    if (item_.partial_slot < 0) {
-      const int t = r / p_.group, j = r - t * p_.group;
-      return p_.o + (std::int64_t(item_.seq) * p_.q_len + t) * p_.o_token_stride +
-             std::int64_t(item_.kv_head * p_.group + j) * p_.o_head_stride;
-    }
-    return p_.partial_o +
-           ((std::int64_t(item_.partial_slot) * p_.num_kv_heads + item_.kv_head) * p_.rows + r) *
-               p_.head_dim;
-  }
-  __device__ float* lse_slot(int r) const {
-    if (item_.partial_slot < 0) {
-      if (p_.lse == nullptr) return nullptr;
-      const int t = r / p_.group, j = r - t * p_.group;
-      return p_.lse + (std::int64_t(item_.seq) * p_.q_len + t) * p_.num_q_heads +
-             item_.kv_head * p_.group + j;
-    }
-    return p_.partial_lse +
-           (std::int64_t(item_.partial_slot) * p_.num_kv_heads + item_.kv_head) * p_.rows + r;
-  }
-
-  __device__ float k_scale_at(int c) const {
-    switch (static_cast<ScaleGranularity>(p_.granularity)) {
-      case ScaleGranularity::tensor:
-        return p_.k_scale[0];
-      case ScaleGranularity::head:
-        return p_.k_scale[item_.kv_head];
-      case ScaleGranularity::channel:
-        return p_.k_scale[item_.kv_head * p_.head_dim + c];
-    }
-    return 1.0f;
-  }
-  __device__ float v_scale_at(int c) const {
-    switch (static_cast<ScaleGranularity>(p_.granularity)) {
-      case ScaleGranularity::tensor:
-        return p_.v_scale[0];
-      case ScaleGranularity::head:
-        return p_.v_scale[item_.kv_head];
-      case ScaleGranularity::channel:
-        return p_.v_scale[item_.kv_head * p_.head_dim + c];
-    }
-    return 1.0f;
-  }
-  __device__ bool channel_scales() const {
-    return static_cast<ScaleGranularity>(p_.granularity) == ScaleGranularity::channel;
-  }
-
-  // --- step 1 and the score scale ---
-
-  // q[c], times the K channel scale when scales are per channel.
-  __device__ float folded_query(int r, int c) const {
-    const float x = query_row(r)[c];
-    return channel_scales() ? __fmul_rn(x, k_scale_at(c)) : x;
-  }
-
-  // fp8 Q: sq = amax / 448 over all q_len * g rows and channels (every pass and every chunk of
-  // the sequence recomputes the same amax). Then score_scale = sq * k_outer * softmax_scale *
-  // log2(e), multiplied in that order as the emulator does.
+  // fp8 Q: sq over all rows (every pass and every chunk recomputes the same amax), and the
+  // score scale, as DecodeItem computes them.
   __device__ void prepare_query_scale() {
-    sq_ = 1.0f;
-    if (static_cast<QMode>(p_.q_mode) == QMode::fp8) {
-      float amax = 0.0f;
-      for (int e = threadIdx.x; e < p_.rows * p_.head_dim; e += kThreads) {
-        const int r = e / p_.head_dim;
-        amax = host_max(amax, fabsf(folded_query(r, e - r * p_.head_dim)));
-      }
-      amax = block_max(amax);
-      if (amax > 0.0f) sq_ = __fdiv_rn(amax, kFp8Max);
-    }
-    const float k_outer = channel_scales() ? 1.0f : k_scale_at(0);
-    score_scale_ = __fmul_rn(__fmul_rn(__fmul_rn(sq_, k_outer), p_.softmax_scale), kLog2e);
-  }
-
-  __device__ float block_max(float x) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    for (int offset = 16; offset > 0; offset /= 2) {
-      x = host_max(x, __shfl_xor_sync(0xffffffffu, x, offset));
-    }
-    if (lane == 0) reduce_[warp] = x;
-    __syncthreads();
-    float total = reduce_[0];
-    for (int w = 1; w < kWarps; ++w) total = host_max(total, reduce_[w]);
-    __syncthreads();
-    return total;
+    const QueryScales scales = query_scales<kThreads>(reduce_);
+    sq_ = scales.sq;
+    score_scale_ = scales.score_scale;
   }
 
   __device__ void load_query_rows() {
@@ -446,22 +349,7 @@ class DecodeCta {
     }
   }
 
-  __device__ void write_empty_rows() {
-    const int d = p_.head_dim;
-    for (int e = threadIdx.x; e < p_.rows * d; e += kThreads) {
-      const int r = e / d;
-      output_row(r)[e - r * d] = 0.0f;
-    }
-    for (int r = threadIdx.x; r < p_.rows; r += kThreads) {
-      if (float* lse = lse_slot(r)) *lse = -INFINITY;
-    }
-  }
-
-  const DecodeKernelParams& p_;
-  const WorkItem item_;
   const int tile_tokens_;
-  int seq_len_ = 0;
-  const std::int32_t* pages_ = nullptr;  // the sequence's physical pages, in order
   std::uint8_t* raw_ = nullptr;
   float* dec_ = nullptr;
   float* q_ = nullptr;
@@ -482,12 +370,12 @@ class DecodeCta {
 template <Format kFormat>
 __global__ void __launch_bounds__(kDecodeThreads) decode_kernel(const DecodeKernelParams p) {
   extern __shared__ __align__(16) std::uint8_t smem[];
-  const StepHeader header = *reinterpret_cast<const StepHeader*>(p.step);
-  if (static_cast<int>(blockIdx.x) >= header.num_items) return;
-  const WorkItem item = reinterpret_cast<const WorkItem*>(p.step + header.items_offset)[blockIdx.x];
-  DecodeCta<kFormat> cta(p, smem, header, item);
-  cta.run();
+  run_work_item<DecodeCta<kFormat>>(p, smem);
 }
+
+// Channels of a row each merge thread owns: D <= 256.
+inline constexpr int kMergeChannelsPerThread = 256 / kMergeThreads;
+inline constexpr std::size_t kMergeSmemBytes = kMergeThreads * sizeof(float);
 
 // Step 6, one CTA per (sequence, KV head) of a fixed grid: for every query row of a split
 // sequence, M = max lse_i, w_i = exp(lse_i - M) / sum_j exp(lse_j - M), O = sum_i w_i O_i (in
@@ -498,6 +386,8 @@ static __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const Decod
   if (b >= header.num_seqs) return;
   const SeqEntry seq = reinterpret_cast<const SeqEntry*>(p.step + header.seqs_offset)[b];
   if (seq.num_splits <= 1) return;
+  extern __shared__ __align__(16) std::uint8_t smem[];  // kMergeSmemBytes
+  float* weights = reinterpret_cast<float*>(smem);
   const int d = p.head_dim;
   const std::int64_t lse_step = std::int64_t(p.num_kv_heads) * p.rows;  // one slot further
   const std::int64_t o_step = lse_step * d;
@@ -522,14 +412,29 @@ static __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const Decod
     for (int s = 0; s < seq.num_splits; ++s) {
       weight_sum = __fadd_rn(weight_sum, exp_rn(__fsub_rn(partial_lse[s * lse_step], max_lse)));
     }
-    for (int c = threadIdx.x; c < d; c += blockDim.x) {
-      float o = 0.0f;
-      for (int s = 0; s < seq.num_splits; ++s) {
-        const float w =
+    // The chunks' weights, kMergeThreads at a time: each computed once (not once per channel),
+    // and added per channel in chunk order.
+    float o[kMergeChannelsPerThread] = {};
+    for (int first = 0; first < seq.num_splits; first += kMergeThreads) {
+      const int count = min(kMergeThreads, seq.num_splits - first);
+      __syncthreads();  // the previous row's or chunk's weights are no longer read
+      if (static_cast<int>(threadIdx.x) < count) {
+        const int s = first + threadIdx.x;
+        weights[threadIdx.x] =
             __fdiv_rn(exp_rn(__fsub_rn(partial_lse[s * lse_step], max_lse)), weight_sum);
-        o = __fadd_rn(o, __fmul_rn(w, partial_o[s * o_step + c]));
       }
-      out[c] = o;
+      __syncthreads();
+      for (int i = 0; i < kMergeChannelsPerThread; ++i) {
+        const int c = threadIdx.x + i * kMergeThreads;
+        if (c >= d) break;
+        for (int k = 0; k < count; ++k) {
+          o[i] = __fadd_rn(o[i], __fmul_rn(weights[k], partial_o[(first + k) * o_step + c]));
+        }
+      }
+    }
+    for (int i = 0; i < kMergeChannelsPerThread; ++i) {
+      const int c = threadIdx.x + i * kMergeThreads;
+      if (c < d) out[c] = o[i];
     }
     if (threadIdx.x == 0 && lse != nullptr) *lse = __fadd_rn(max_lse, log_rn(weight_sum));
   }

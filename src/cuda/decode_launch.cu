@@ -9,6 +9,7 @@
 
 #include "cuda/cuda_check.h"
 #include "cuda/decode_kernel.cuh"
+#include "cuda/decode_mma_kernel.cuh"
 #include "mjolnir/error.h"
 
 namespace mjolnir::cuda {
@@ -23,7 +24,20 @@ void launch_format(const DecodeKernelParams& p, std::size_t smem_bytes, const La
     MJOLNIR_CUDA_CHECK(cudaGetLastError());
   }
   if (shape.merge_ctas > 0) {
-    merge_kernel<<<shape.merge_ctas, kMergeThreads, 0, stream>>>(p);
+    merge_kernel<<<shape.merge_ctas, kMergeThreads, kMergeSmemBytes, stream>>>(p);
+    MJOLNIR_CUDA_CHECK(cudaGetLastError());
+  }
+}
+
+template <Format kFormat, int kHeadDim>
+void launch_mma(const DecodeKernelParams& p, std::size_t smem_bytes, const LaunchShape& shape,
+                cudaStream_t stream) {
+  if (shape.decode_ctas > 0) {
+    decode_mma_kernel<kFormat, kHeadDim><<<shape.decode_ctas, kMmaThreads, smem_bytes, stream>>>(p);
+    MJOLNIR_CUDA_CHECK(cudaGetLastError());
+  }
+  if (shape.merge_ctas > 0) {
+    merge_kernel<<<shape.merge_ctas, kMergeThreads, kMergeSmemBytes, stream>>>(p);
     MJOLNIR_CUDA_CHECK(cudaGetLastError());
   }
 }
@@ -63,6 +77,15 @@ void allow_max_smem(int bytes) {
     MJOLNIR_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
   }
+  for (const Format format : {Format::bf16, Format::fp16, Format::fp8_e4m3, Format::fp8_e5m2}) {
+    for (const int head_dim : {64, 128, 256}) {
+      with_mma_shape(format, head_dim, [&]<Format kFormat, int kHeadDim>() {
+        MJOLNIR_CUDA_CHECK(cudaFuncSetAttribute(decode_mma_kernel<kFormat, kHeadDim>,
+                                                cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                bytes));
+      });
+    }
+  }
 }
 
 }  // namespace
@@ -80,6 +103,12 @@ DeviceLimits current_device_limits() {
                                             limits.device));
   MJOLNIR_CUDA_CHECK(cudaDeviceGetAttribute(
       &limits.max_smem_per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, limits.device));
+  int major = 0, minor = 0;
+  MJOLNIR_CUDA_CHECK(
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, limits.device));
+  MJOLNIR_CUDA_CHECK(
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, limits.device));
+  limits.compute_capability = major * 10 + minor;
   allow_max_smem(limits.max_smem_per_block);
   known.push_back(limits);
   return limits;
@@ -115,12 +144,29 @@ std::string unsupported_reason(const CacheGeometry& geometry, const DecodeParams
   return {};
 }
 
+DecodeBody chosen_body(const DecodeArgs& args) {
+  const DeviceLimits limits = current_device_limits();
+  const int rows = args.params.q_len * (args.params.num_q_heads / args.cache.geometry.num_kv_heads);
+  return tensor_core_unsupported(args.cache, args.params, rows, limits.compute_capability,
+                                 static_cast<std::size_t>(limits.max_smem_per_block))
+                 .empty()
+             ? DecodeBody::tensor_core
+             : DecodeBody::exact_order;
+}
+
 void launch_decode(const DecodeArgs& args, const DeviceScales& scales, const std::byte* step_device,
                    std::span<std::byte> workspace, const LaunchShape& shape, cudaStream_t stream) {
   const DeviceLimits limits = current_device_limits();
-  const DecodeConfig config =
-      make_decode_config(args, scales.k, scales.v, step_device, workspace, shape,
-                         static_cast<std::size_t>(limits.max_smem_per_block));
+  const DecodeConfig config = make_decode_config(
+      args, scales.k, scales.v, step_device, workspace, shape,
+      static_cast<std::size_t>(limits.max_smem_per_block), limits.compute_capability);
+  if (config.body == DecodeBody::tensor_core) {
+    with_mma_shape(args.cache.geometry.format, args.cache.geometry.head_dim,
+                   [&]<Format kFormat, int kHeadDim>() {
+                     launch_mma<kFormat, kHeadDim>(config.params, config.smem_bytes, shape, stream);
+                   });
+    return;
+  }
   launch_for_format(args.cache.geometry.format, config.params, config.smem_bytes, shape, stream);
 }
 

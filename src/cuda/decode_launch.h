@@ -22,11 +22,15 @@ namespace mjolnir::cuda {
 void launch_decode(const DecodeArgs& args, const DeviceScales& scales, const std::byte* step_device,
                    std::span<std::byte> workspace, const LaunchShape& shape, cudaStream_t stream);
 
+// The CTA body launch_decode() runs for these arguments on the current device.
+DecodeBody chosen_body(const DecodeArgs& args);
+
 // Device properties the launch layer and the backend use, for the current device.
 struct DeviceLimits {
   int device = 0;
   int multiprocessors = 0;
   int max_smem_per_block = 0;  // with the opt-in (cudaFuncAttributeMaxDynamicSharedMemorySize)
+  int compute_capability = 0;  // major * 10 + minor
 };
 DeviceLimits current_device_limits();
 

@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "core/minifloat.h"  // MJOLNIR_HOST_DEVICE
+#include "mjolnir/format.h"
 #include "mjolnir/plan.h"
 
 namespace mjolnir::cuda {
@@ -105,6 +106,56 @@ MJOLNIR_HOST_DEVICE constexpr DecodeSmem decode_smem(int pass_rows, int head_dim
   s.m = take(std::size_t(pass_rows) * sizeof(float));
   s.l = take(std::size_t(pass_rows) * sizeof(float));
   s.alpha = take(std::size_t(pass_rows) * sizeof(float));
+  s.reduce = take(32 * sizeof(float));
+  s.bytes = at;
+  return s;
+}
+
+// --- the tensor-core CTA (decode_mma_kernel.cuh) ---------------------------------------------
+
+inline constexpr int kMmaThreads = 128;    // four warps, each with its own softmax state
+inline constexpr int kMmaRows = 16;        // query rows of the MMA's M dimension
+inline constexpr int kMmaStepTokens = 16;  // KV tokens a warp takes per step
+inline constexpr int kMmaMaxTerms = 3;     // operand terms of an fp32 value (bf16: 3, f16: 2)
+
+// The formats whose codes convert exactly to an MMA operand type in registers.
+MJOLNIR_HOST_DEVICE constexpr bool mma_format(Format format) {
+  return format == Format::fp8_e4m3 || format == Format::fp8_e5m2 || format == Format::fp16 ||
+         format == Format::bf16;
+}
+
+// Shared memory of one tensor-core CTA, byte offsets. Q's prepared rows and fragments are read
+// until the warps finish their walk; the merge buffers are written after it and alias them.
+struct MmaSmem {
+  std::size_t q_values = 0;    // [16][D] floats
+  std::size_t q_frags = 0;     // [terms][D/16][32 lanes][4] words
+  std::size_t merge_o = 0;     // [4 warps][16][D] floats
+  std::size_t merge_m = 0;     // [4][16] floats
+  std::size_t merge_l = 0;     // [4][16] floats
+  std::size_t row_weight = 0;  // [4][16] floats
+  std::size_t reduce = 0;      // [32] floats
+  std::size_t bytes = 0;
+};
+
+MJOLNIR_HOST_DEVICE constexpr MmaSmem mma_smem(int head_dim) {
+  MmaSmem s;
+  const std::size_t warps = kMmaThreads / 32;
+  const std::size_t query_bytes =
+      align16(std::size_t(kMmaRows) * head_dim * sizeof(float)) +
+      align16(std::size_t(kMmaMaxTerms) * (head_dim / 16) * 32 * 4 * sizeof(std::uint32_t));
+  const std::size_t merge_bytes = align16(warps * kMmaRows * head_dim * sizeof(float));
+  s.q_values = 0;
+  s.q_frags = align16(std::size_t(kMmaRows) * head_dim * sizeof(float));
+  s.merge_o = 0;
+  std::size_t at = query_bytes > merge_bytes ? query_bytes : merge_bytes;
+  auto take = [&at](std::size_t bytes) {
+    const std::size_t start = at;
+    at += align16(bytes);
+    return start;
+  };
+  s.merge_m = take(warps * kMmaRows * sizeof(float));
+  s.merge_l = take(warps * kMmaRows * sizeof(float));
+  s.row_weight = take(warps * kMmaRows * sizeof(float));
   s.reduce = take(32 * sizeof(float));
   s.bytes = at;
   return s;

@@ -1,0 +1,424 @@
+// The tensor-core decode body: one CTA of four warps per work item, the item's (q_len * g <= 16)
+// query rows on the M dimension of mma.sync m16n8k16, KV tokens on N (scores) and K (P.V). Each
+// warp walks every fourth 16-token step of the item's range with its own online-softmax state;
+// the four states are merged through shared memory at the end (the split-KV merge, in-CTA).
+//
+// The K and V codes go from global memory straight into registers (16-byte loads) and are
+// converted there, once per element and never per fragment: fp8 to f16x2 by the hardware
+// conversion (exact), fp16 and bf16 as they are. A lane's K row slice is contiguous, and the
+// channel order of the dot product is permuted to match it (Q's fragments use the same
+// permutation); V's token pairs are interleaved with byte permutes. Numerics (docs/cuda.md): the
+// QK and PV products use fp32 values split into 2 (f16) or 3 (bf16) operand terms, so the
+// products carry 22-24 significant bits and accumulate in fp32; Q is scaled by a power of two
+// into f16's range, undone in the score scale. This is the contract's fp32-P mode with a
+// reordered fp32 sum: within the emulator tolerance, not bit-identical to it. P modes that round
+// P (bf16, fp8) need the emulator's exact order and run on the exact-order CTA instead.
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/decode_item.cuh"
+#include "cuda/decode_params.h"
+#include "cuda/kv_codec.cuh"
+#include "cuda/mma_fragments.cuh"
+#include "mjolnir/error.h"
+
+namespace mjolnir::cuda {
+
+template <Format kFormat, int kHeadDim>
+class MmaDecodeCta : DecodeItem {
+ public:
+  static constexpr int kThreads = kMmaThreads;
+  static constexpr int kWarps = kThreads / 32;
+  static constexpr int kStep = kMmaStepTokens;
+  static constexpr MmaType kType = kFormat == Format::bf16 ? MmaType::bf16 : MmaType::f16;
+  static constexpr int kTerms = kType == MmaType::f16 ? 2 : 3;
+  static constexpr int kElementBytes = FormatTraits<kFormat>::kBits / 8;
+  static constexpr int kKSteps = kHeadDim / 16;                     // k-steps of the QK product
+  static constexpr int kNBlocks = kHeadDim / 8;                     // n-blocks of the O tile
+  static constexpr int kKWords = kHeadDim / 4 * kElementBytes / 4;  // a lane's K slice, words
+  static constexpr int kVWords = kHeadDim / 8 * kElementBytes / 4;  // a lane's V slice, words
+  // Prefetch the next step where the registers allow it: fp8 rows up to D 128.
+  static constexpr bool kPrefetch = kElementBytes == 1 && kHeadDim <= 128;
+  static_assert(mma_format(kFormat) && kHeadDim % 64 == 0 && kHeadDim <= 256);
+
+  __device__ MmaDecodeCta(const DecodeKernelParams& p, std::uint8_t* smem, const StepHeader& header,
+                          const WorkItem& item)
+      : DecodeItem(p, header, item) {
+    const MmaSmem layout = mma_smem(kHeadDim);
+    q_values_ = reinterpret_cast<float*>(smem + layout.q_values);
+    q_frags_ = reinterpret_cast<std::uint32_t*>(smem + layout.q_frags);
+    merge_o_ = reinterpret_cast<float*>(smem + layout.merge_o);
+    merge_m_ = reinterpret_cast<float*>(smem + layout.merge_m);
+    merge_l_ = reinterpret_cast<float*>(smem + layout.merge_l);
+    row_weight_ = reinterpret_cast<float*>(smem + layout.row_weight);
+    reduce_ = reinterpret_cast<float*>(smem + layout.reduce);
+  }
+
+  __device__ void run() {
+    if (item_.kv_begin >= item_.kv_end) {  // padding request: O = 0, LSE = -inf, reads nothing
+      write_empty_rows<kThreads>();
+      return;
+    }
+    prepare_query();
+    WarpState state;
+    walk(state);
+    merge_and_write(state);
+  }
+
+ private:
+  // One warp's online-softmax state: its lane's O fragments and, for the lane's rows gid and
+  // gid + 8, the running max and the lane's share of the sum.
+  struct WarpState {
+    float o[kNBlocks][4];
+    float m[2];
+    float l[2];
+  };
+
+  __device__ static int lane() { return threadIdx.x & 31; }
+
+  // Byte offset in a K row of word w of lane tid's slice: 16-byte chunks, the quad's four lanes
+  // side by side in each 64 bytes, so one load instruction reads whole 32-byte sectors.
+  __device__ static int k_slice_byte(int tid, int w) {
+    return (w >> 2) * 64 + tid * 16 + (w & 3) * 4;
+  }
+
+  // Step 1 into shared memory as A fragments: the prepared rows (rows past q_len * g are zero),
+  // scaled by a power of two into f16's range, split into q_terms_ operand terms. Fragment
+  // (term, k-step j) of a lane (gid, tid) holds rows gid and gid + 8 at the channels c, c + 1
+  // (a0, a1) and c + 2, c + 3 (a2, a3) of the lane's K slice for that k-step (k_operand), so the
+  // dot product runs over a permutation of the channels that both operands share.
+  __device__ void prepare_query() {
+    const QueryScales scales = query_scales<kThreads>(reduce_);
+    float amax = 0.0f;
+    for (int e = threadIdx.x; e < kMmaRows * kHeadDim; e += kThreads) {
+      const int r = e / kHeadDim, c = e - r * kHeadDim;
+      const float q = r < p_.rows ? round_query(folded_query(r, c), p_.q_mode, scales.sq) : 0.0f;
+      q_values_[e] = q;
+      amax = host_max(amax, fabsf(q));
+    }
+    amax = block_max<kThreads>(amax, reduce_);  // its barrier also publishes q_values_
+    float q_scale = 1.0f;
+    if (kType == MmaType::f16 && amax > 0.0f) {  // |q| * q_scale in [2^14, 2^15)
+      int exponent = 0;
+      frexpf(amax, &exponent);
+      q_scale = minifloat_detail::exact_power_of_two(min(max(15 - exponent, -126), 127));
+    }
+    score_scale_ = __fdiv_rn(scales.score_scale, q_scale);
+    // fp8 Q codes are exact in either operand type, bf16 Q too (f16 keeps 11 bits); fp32 Q
+    // needs every term.
+    q_terms_ = static_cast<QMode>(p_.q_mode) == QMode::fp32 ? kTerms : 1;
+    for (int e = threadIdx.x; e < kKSteps * 32; e += kThreads) {
+      const int j = e / 32, l = e - j * 32, gid = l >> 2, tid = l & 3;
+      const int c = k_slice_byte(tid, kElementBytes == 1 ? j : 2 * j) / kElementBytes;
+      const float* row0 = q_values_ + gid * kHeadDim + c;
+      const float* row1 = row0 + 8 * kHeadDim;
+      std::uint32_t regs[4][kTerms];
+      split2<kType, kTerms>(row0[0] * q_scale, row0[1] * q_scale, regs[0]);
+      split2<kType, kTerms>(row1[0] * q_scale, row1[1] * q_scale, regs[1]);
+      split2<kType, kTerms>(row0[2] * q_scale, row0[3] * q_scale, regs[2]);
+      split2<kType, kTerms>(row1[2] * q_scale, row1[3] * q_scale, regs[3]);
+      for (int t = 0; t < kTerms; ++t) {
+        std::uint32_t* to = q_frags_ + ((t * kKSteps + j) * 32 + l) * 4;
+        for (int i = 0; i < 4; ++i) to[i] = regs[i][t];
+      }
+    }
+    __syncthreads();
+  }
+
+  // kWords words (a multiple of 4, or 2) of row memory, in 16- or 8-byte loads.
+  template <int kWords>
+  __device__ static void load_words(const std::uint8_t* from, std::uint32_t (&words)[kWords]) {
+#if defined(MJOLNIR_CUDA_EMULATION)
+    std::memcpy(words, from, sizeof(words));
+#else
+    if constexpr (kWords % 4 == 0) {
+#pragma unroll
+      for (int i = 0; i < kWords / 4; ++i) {
+        const uint4 x = __ldg(reinterpret_cast<const uint4*>(from) + i);
+        words[4 * i] = x.x;
+        words[4 * i + 1] = x.y;
+        words[4 * i + 2] = x.z;
+        words[4 * i + 3] = x.w;
+      }
+    } else {
+      static_assert(kWords == 2);
+      const uint2 x = __ldg(reinterpret_cast<const uint2*>(from));
+      words[0] = x.x;
+      words[1] = x.y;
+    }
+#endif
+  }
+
+  // Lane tid's K slice of a row: its 16-byte chunks at k_slice_byte().
+  __device__ static void load_k_slice(const std::uint8_t* row, int tid,
+                                      std::uint32_t (&words)[kKWords]) {
+    for (int chunk = 0; chunk < kKWords / 4; ++chunk) {
+      std::uint32_t part[4];
+      load_words(row + k_slice_byte(tid, 4 * chunk), part);
+      for (int i = 0; i < 4; ++i) words[4 * chunk + i] = part[i];
+    }
+  }
+
+  // The K operand (b0, b1) of k-step j from a lane's K slice.
+  __device__ static void k_operand(const std::uint32_t (&k)[kKWords], int j, std::uint32_t& b0,
+                                   std::uint32_t& b1) {
+    if constexpr (kElementBytes == 1) {
+      b0 = fp8x2_to_f16x2<kFormat>(k[j]);
+      b1 = fp8x2_to_f16x2<kFormat>(k[j] >> 16);
+    } else {
+      b0 = k[2 * j];
+      b1 = k[2 * j + 1];
+    }
+  }
+
+  // The V operand of n-block n: tokens (2tid, 2tid + 1) of the step in b0 and (2tid + 8,
+  // 2tid + 9) in b1, at the lane's channel gid * D/8 + n. `first` and `second` are those two
+  // tokens' slices.
+  __device__ static std::uint32_t v_operand(const std::uint32_t (&first)[kVWords],
+                                            const std::uint32_t (&second)[kVWords], int n) {
+    if constexpr (kElementBytes == 1) {
+      const int w = n >> 2, within = n & 3;
+      const std::uint32_t pair = byte_perm(first[w], second[w], within < 2 ? 0x5140u : 0x7362u);
+      return fp8x2_to_f16x2<kFormat>((within & 1) != 0 ? pair >> 16 : pair);
+    } else {
+      const int w = n >> 1;
+      return byte_perm(first[w], second[w], (n & 1) != 0 ? 0x7632u : 0x5410u);
+    }
+  }
+
+  // A step's K and V slices of one lane.
+  struct StepData {
+    std::uint32_t k[2][kKWords];  // tokens first + kb * 8 + gid
+    std::uint32_t v[4][kVWords];  // tokens first + (vt / 2) * 8 + 2 tid + vt % 2
+  };
+
+  // Loads the step at `first`; positions past the range read its last row (masked later).
+  __device__ void load_step(int first, StepData& data) const {
+    const int gid = lane() >> 2, tid = lane() & 3;
+    const int last_position = item_.kv_end - 1;
+    for (int kb = 0; kb < 2; ++kb) {
+      const int position = min(first + kb * 8 + gid, last_position);
+      load_k_slice(kv_row(position, 0), tid, data.k[kb]);
+    }
+    for (int vt = 0; vt < 4; ++vt) {
+      const int position = min(first + (vt >> 1) * 8 + tid * 2 + (vt & 1), last_position);
+      load_words(kv_row(position, 1) + gid * (kVWords * 4), data.v[vt]);
+    }
+  }
+
+  // Each warp takes every fourth step. With kPrefetch, the next step's rows are loaded before
+  // this one is computed, so twice the bytes are in flight per warp (fp8 rows are half as wide
+  // as 16-bit ones, and their registers allow it).
+  __device__ void walk(WarpState& s) const {
+    const int warp = threadIdx.x >> 5, gid = lane() >> 2;
+    for (int n = 0; n < kNBlocks; ++n) {
+      for (int i = 0; i < 4; ++i) s.o[n][i] = 0.0f;
+    }
+    // The last position each of the lane's rows may see (causal), inside the item's range; -1
+    // for rows past q_len * g.
+    int visible[2];
+    for (int ri = 0; ri < 2; ++ri) {
+      const int r = gid + 8 * ri;
+      s.m[ri] = -INFINITY;
+      s.l[ri] = 0.0f;
+      const int last = p_.causal ? seq_len_ - p_.q_len + r / p_.group : seq_len_ - 1;
+      visible[ri] = r < p_.rows ? min(last, item_.kv_end - 1) : -1;
+    }
+    constexpr int kStride = kWarps * kStep;
+    int first = item_.kv_begin + warp * kStep;
+    if constexpr (kPrefetch) {
+      StepData current;
+      if (first < item_.kv_end) load_step(first, current);
+      for (; first < item_.kv_end; first += kStride) {
+        StepData next;
+        if (first + kStride < item_.kv_end) load_step(first + kStride, next);
+        consume_step(first, current, visible, s);
+        current = next;
+      }
+    } else {
+      for (; first < item_.kv_end; first += kStride) {
+        StepData current;
+        load_step(first, current);
+        consume_step(first, current, visible, s);
+      }
+    }
+  }
+
+  // One step of 16 tokens: S = Q K^T, the online softmax, O += P V.
+  __device__ void consume_step(int first, const StepData& data, const int (&visible)[2],
+                               WarpState& s) const {
+    const int tid = lane() & 3;
+    // S = Q K^T for the step's 16 tokens: n-block kb holds tokens first + kb*8 + 0..7.
+    // Each Q term accumulates on its own (independent MMA chains), summed at the end.
+    float term_score[kTerms][2][4] = {};
+    for (int j = 0; j < kKSteps; ++j) {
+      std::uint32_t b[2][2];
+      k_operand(data.k[0], j, b[0][0], b[0][1]);
+      k_operand(data.k[1], j, b[1][0], b[1][1]);
+      for (int t = 0; t < q_terms_; ++t) {
+        std::uint32_t a[4];
+        const std::uint32_t* from = q_frags_ + ((t * kKSteps + j) * 32 + lane()) * 4;
+        for (int i = 0; i < 4; ++i) a[i] = from[i];
+        mma_16816<kType>(term_score[t][0], a, b[0][0], b[0][1]);
+        mma_16816<kType>(term_score[t][1], a, b[1][0], b[1][1]);
+      }
+    }
+    float score[2][4];
+    for (int kb = 0; kb < 2; ++kb) {
+      for (int i = 0; i < 4; ++i) {
+        score[kb][i] = term_score[0][kb][i];
+        for (int t = 1; t < kTerms; ++t) score[kb][i] += term_score[t][kb][i];
+      }
+    }
+
+    // Scale, mask, and the online softmax per row (a row's 16 scores sit in its 4 lanes).
+    float alpha[2];
+    for (int ri = 0; ri < 2; ++ri) {
+      float row_max = -INFINITY;
+      for (int kb = 0; kb < 2; ++kb) {
+        for (int i = 0; i < 2; ++i) {
+          const int position = first + kb * 8 + tid * 2 + i;
+          float& x = score[kb][2 * ri + i];
+          x = position <= visible[ri] ? x * score_scale_ : -INFINITY;
+          row_max = fmaxf(row_max, x);
+        }
+      }
+      row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 1));
+      row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 2));
+      const float m_new = fmaxf(s.m[ri], row_max);
+      alpha[ri] = 1.0f;
+      float sum = 0.0f;
+      for (int kb = 0; kb < 2; ++kb) {
+        for (int i = 0; i < 2; ++i) {
+          float& x = score[kb][2 * ri + i];
+          x = m_new == -INFINITY ? 0.0f : exp2f(x - m_new);  // masked: exp2(-inf) = 0
+          sum += x;
+        }
+      }
+      if (m_new != -INFINITY) alpha[ri] = exp2f(s.m[ri] - m_new);  // 0 on the first scores
+      s.l[ri] = s.l[ri] * alpha[ri] + sum;
+      s.m[ri] = m_new;
+    }
+    if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
+      for (int n = 0; n < kNBlocks; ++n) {
+        s.o[n][0] *= alpha[0];
+        s.o[n][1] *= alpha[0];
+        s.o[n][2] *= alpha[1];
+        s.o[n][3] *= alpha[1];
+      }
+    }
+
+    // O += P V: P's A fragments are the score fragments (rows gid, gid + 8; tokens 2tid,
+    // 2tid + 1 of each n-block), split into operand terms.
+    std::uint32_t pa[4][kTerms];
+    split2<kType, kTerms>(score[0][0], score[0][1], pa[0]);
+    split2<kType, kTerms>(score[0][2], score[0][3], pa[1]);
+    split2<kType, kTerms>(score[1][0], score[1][1], pa[2]);
+    split2<kType, kTerms>(score[1][2], score[1][3], pa[3]);
+    for (int n = 0; n < kNBlocks; ++n) {
+      const std::uint32_t b0 = v_operand(data.v[0], data.v[1], n);
+      const std::uint32_t b1 = v_operand(data.v[2], data.v[3], n);
+      for (int t = 0; t < kTerms; ++t) {
+        const std::uint32_t a[4] = {pa[0][t], pa[1][t], pa[2][t], pa[3][t]};
+        mma_16816<kType>(s.o[n], a, b0, b1);
+      }
+    }
+  }
+
+  // The four warps' states merged per row (the LSE merge of step 6 inside the CTA), then
+  // step 5: o = acc * v_scale / l, lse = (m + log2 l) * ln 2; rows that saw nothing: O = 0,
+  // LSE = -inf.
+  __device__ void merge_and_write(WarpState& s) {
+    const int warp = threadIdx.x >> 5, gid = lane() >> 2, tid = lane() & 3;
+    for (int ri = 0; ri < 2; ++ri) {
+      s.l[ri] += __shfl_xor_sync(0xffffffffu, s.l[ri], 1);
+      s.l[ri] += __shfl_xor_sync(0xffffffffu, s.l[ri], 2);
+    }
+    __syncthreads();  // the merge buffers alias Q's, which every warp has finished reading
+    float* o = merge_o_ + warp * kMmaRows * kHeadDim;
+    for (int n = 0; n < kNBlocks; ++n) {
+      for (int i = 0; i < 4; ++i) {
+        const int r = gid + 8 * (i >> 1), c = (tid * 2 + (i & 1)) * kNBlocks + n;
+        o[r * kHeadDim + c] = s.o[n][i];
+      }
+    }
+    if (tid == 0) {
+      for (int ri = 0; ri < 2; ++ri) {
+        merge_m_[warp * kMmaRows + gid + 8 * ri] = s.m[ri];
+        merge_l_[warp * kMmaRows + gid + 8 * ri] = s.l[ri];
+      }
+    }
+    __syncthreads();
+    // Per row: the warps' weights exp2(m_w - M) / L, kept in row_weight_.
+    for (int r = threadIdx.x; r < p_.rows; r += kThreads) {
+      float m = -INFINITY;
+      for (int w = 0; w < kWarps; ++w) m = fmaxf(m, merge_m_[w * kMmaRows + r]);
+      float weights[kWarps], total = 0.0f;
+      for (int w = 0; w < kWarps; ++w) {
+        weights[w] = m == -INFINITY ? 0.0f : exp2f(merge_m_[w * kMmaRows + r] - m);
+        total += weights[w] * merge_l_[w * kMmaRows + r];
+      }
+      const float inv_l = total > 0.0f ? __fdiv_rn(1.0f, total) : 0.0f;
+      for (int w = 0; w < kWarps; ++w) row_weight_[w * kMmaRows + r] = weights[w] * inv_l;
+      if (float* lse = lse_slot(r)) *lse = total > 0.0f ? (m + log2f(total)) * kLn2 : -INFINITY;
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < p_.rows * kHeadDim; e += kThreads) {
+      const int r = e / kHeadDim, c = e - r * kHeadDim;
+      float acc = 0.0f;
+      for (int w = 0; w < kWarps; ++w) {
+        acc += row_weight_[w * kMmaRows + r] * merge_o_[(w * kMmaRows + r) * kHeadDim + c];
+      }
+      output_row(r)[c] = acc * v_scale_at(c);
+    }
+  }
+
+  float* q_values_ = nullptr;
+  std::uint32_t* q_frags_ = nullptr;
+  float* merge_o_ = nullptr;
+  float* merge_m_ = nullptr;
+  float* merge_l_ = nullptr;
+  float* row_weight_ = nullptr;
+  float* reduce_ = nullptr;
+  float score_scale_ = 0.0f;
+  int q_terms_ = 1;
+};
+
+// One CTA per work item of a fixed grid, as decode_kernel.
+template <Format kFormat, int kHeadDim>
+__global__ void __launch_bounds__(kMmaThreads) decode_mma_kernel(const DecodeKernelParams p) {
+  extern __shared__ __align__(16) std::uint8_t smem[];
+  run_work_item<MmaDecodeCta<kFormat, kHeadDim>>(p, smem);
+}
+
+// The body's instantiations: calls visit.template operator()<kFormat, kHeadDim>() for a format
+// and head dimension it takes (make_decode_config() picks it only for those); throws otherwise.
+template <typename Visit>
+void with_mma_shape(Format format, int head_dim, Visit&& visit) {
+  auto dim = [&]<Format kFormat>() {
+    switch (head_dim) {
+      case 64:
+        return visit.template operator()<kFormat, 64>();
+      case 128:
+        return visit.template operator()<kFormat, 128>();
+      case 256:
+        return visit.template operator()<kFormat, 256>();
+    }
+    detail::throw_error("cuda: no tensor-core body for head_dim ", head_dim);
+  };
+  switch (format) {
+    case Format::bf16:
+      return dim.template operator()<Format::bf16>();
+    case Format::fp16:
+      return dim.template operator()<Format::fp16>();
+    case Format::fp8_e4m3:
+      return dim.template operator()<Format::fp8_e4m3>();
+    case Format::fp8_e5m2:
+      return dim.template operator()<Format::fp8_e5m2>();
+    default:
+      detail::throw_error("cuda: no tensor-core body for format ", to_string(format));
+  }
+}
+
+}  // namespace mjolnir::cuda

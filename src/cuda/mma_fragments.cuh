@@ -1,0 +1,167 @@
+// The warp-level tensor-core pieces of the fast decode path (decode_mma_kernel.cuh): packing
+// floats into f16x2 / bf16x2 registers (and splitting an fp32 value into several such terms that
+// sum back to it), converting packed fp8 codes to f16x2 in registers, byte permutes, and
+// mma.sync m16n8k16 with fp32 accumulators.
+//
+// Fragment layout of m16n8k16 (PTX ISA, "Matrix fragments for mma.m16n8k16"), lane = 4 * gid +
+// tid: A (16 x 16, row) a0 = A[gid][2tid, 2tid+1], a1 = A[gid+8][2tid, 2tid+1], a2 = A[gid][2tid+8,
+// 2tid+9], a3 = A[gid+8][2tid+8, 2tid+9]; B (16 x 8, col) b0 = B[2tid, 2tid+1][gid], b1 =
+// B[2tid+8, 2tid+9][gid]; C (16 x 8) c0, c1 = C[gid][2tid, 2tid+1], c2, c3 = C[gid+8][2tid,
+// 2tid+1]. The lower k index sits in the low half of a register.
+//
+// Under MJOLNIR_CUDA_EMULATION (tests on CPU threads) every piece has a plain implementation:
+// the conversions through core/minifloat.h, the MMA gathering the warp's operands in one exchange
+// and summing exact products in k order.
+#pragma once
+
+#if defined(MJOLNIR_CUDA_EMULATION)
+#include "cuda/cpu_emulation.h"
+#else
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+#endif
+
+#include <cstdint>
+
+#include "core/minifloat.h"
+#include "mjolnir/format.h"
+
+namespace mjolnir::cuda {
+
+// The 16-bit operand type of the MMA: f16 (every fp8 code and fp16 is exact in it) or bf16.
+enum class MmaType { f16, bf16 };
+
+// Two floats rounded to nearest even and packed, `lo` in the low half.
+template <MmaType kType>
+__device__ __forceinline__ std::uint32_t pack2(float lo, float hi) {
+#if defined(MJOLNIR_CUDA_EMULATION)
+  constexpr MinifloatSpec kSpec = kType == MmaType::f16 ? kFp16Spec : kBf16Spec;
+  return encode_minifloat<kSpec>(lo) | encode_minifloat<kSpec>(hi) << 16;
+#else
+  if constexpr (kType == MmaType::f16) {
+    const __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const std::uint32_t*>(&h);
+  } else {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const std::uint32_t*>(&h);
+  }
+#endif
+}
+
+// The two values of a packed register, low half first.
+template <MmaType kType>
+__device__ __forceinline__ void unpack2(std::uint32_t bits, float& lo, float& hi) {
+#if defined(MJOLNIR_CUDA_EMULATION)
+  constexpr MinifloatSpec kSpec = kType == MmaType::f16 ? kFp16Spec : kBf16Spec;
+  lo = decode_minifloat<kSpec>(bits & 0xFFFFu);
+  hi = decode_minifloat<kSpec>(bits >> 16);
+#else
+  if constexpr (kType == MmaType::f16) {
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&bits));
+    lo = f.x;
+    hi = f.y;
+  } else {
+    lo = __uint_as_float(bits << 16);
+    hi = __uint_as_float(bits & 0xFFFF0000u);
+  }
+#endif
+}
+
+// (lo, hi) as kTerms packed registers whose values sum to (lo, hi) up to the last term's
+// rounding: term t holds the rounding of what terms 0..t-1 left (each remainder is exact in
+// fp32). Two f16 terms carry 22 significant bits, three bf16 terms 24.
+template <MmaType kType, int kTerms>
+__device__ __forceinline__ void split2(float lo, float hi, std::uint32_t (&out)[kTerms]) {
+#pragma unroll
+  for (int t = 0; t < kTerms; ++t) {
+    out[t] = pack2<kType>(lo, hi);
+    if (t + 1 < kTerms) {
+      float lo_part, hi_part;
+      unpack2<kType>(out[t], lo_part, hi_part);
+      lo = __fsub_rn(lo, lo_part);
+      hi = __fsub_rn(hi, hi_part);
+    }
+  }
+}
+
+// Two fp8 codes (the low 16 bits of `codes`, the lower channel in the low byte) as f16x2; exact.
+template <Format kFormat>
+__device__ __forceinline__ std::uint32_t fp8x2_to_f16x2(std::uint32_t codes) {
+  static_assert(kFormat == Format::fp8_e4m3 || kFormat == Format::fp8_e5m2);
+#if defined(MJOLNIR_CUDA_EMULATION)
+  constexpr MinifloatSpec kSpec = kFormat == Format::fp8_e4m3 ? kE4M3Spec : kE5M2Spec;
+  return pack2<MmaType::f16>(decode_minifloat<kSpec>(codes & 0xFFu),
+                             decode_minifloat<kSpec>((codes >> 8) & 0xFFu));
+#else
+  const __half2_raw h =
+      __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(codes & 0xFFFFu),
+                                 kFormat == Format::fp8_e4m3 ? __NV_E4M3 : __NV_E5M2);
+  return std::uint32_t(h.x) | std::uint32_t(h.y) << 16;
+#endif
+}
+
+// Byte i of the result is byte (selector >> 4i) & 7 of the pair (x = bytes 0-3, y = 4-7).
+__device__ __forceinline__ std::uint32_t byte_perm(std::uint32_t x, std::uint32_t y,
+                                                   std::uint32_t selector) {
+#if defined(MJOLNIR_CUDA_EMULATION)
+  const std::uint64_t both = std::uint64_t(y) << 32 | x;
+  std::uint32_t out = 0;
+  for (int i = 0; i < 4; ++i) {
+    const unsigned from = (selector >> (4 * i)) & 7u;
+    out |= std::uint32_t((both >> (8 * from)) & 0xFFu) << (8 * i);
+  }
+  return out;
+#else
+  return __byte_perm(x, y, selector);
+#endif
+}
+
+// c += a * b for one m16n8k16 tile, fp32 accumulators.
+template <MmaType kType>
+__device__ __forceinline__ void mma_16816(float (&c)[4], const std::uint32_t (&a)[4],
+                                          std::uint32_t b0, std::uint32_t b1) {
+#if defined(MJOLNIR_CUDA_EMULATION)
+  const int lane = threadIdx.x & 31, gid = lane >> 2, tid = lane & 3;
+  const auto all = emulation::warp_gather({a[0], a[1], a[2], a[3], b0, b1, 0, 0});
+  float a_rows[2][16], b_cols[16][2];  // A rows gid, gid + 8; B columns 2tid, 2tid + 1
+  for (int t = 0; t < 4; ++t) {
+    const auto& from = all[gid * 4 + t];
+    unpack2<kType>(from[0], a_rows[0][2 * t], a_rows[0][2 * t + 1]);
+    unpack2<kType>(from[1], a_rows[1][2 * t], a_rows[1][2 * t + 1]);
+    unpack2<kType>(from[2], a_rows[0][2 * t + 8], a_rows[0][2 * t + 9]);
+    unpack2<kType>(from[3], a_rows[1][2 * t + 8], a_rows[1][2 * t + 9]);
+    for (int j = 0; j < 2; ++j) {
+      const auto& column = all[(2 * tid + j) * 4 + t];
+      unpack2<kType>(column[4], b_cols[2 * t][j], b_cols[2 * t + 1][j]);
+      unpack2<kType>(column[5], b_cols[2 * t + 8][j], b_cols[2 * t + 9][j]);
+    }
+  }
+  for (int i = 0; i < 2; ++i) {
+    for (int j = 0; j < 2; ++j) {
+      float sum = c[2 * i + j];
+      for (int k = 0; k < 16; ++k) sum += a_rows[i][k] * b_cols[k][j];  // exact products
+      c[2 * i + j] = sum;
+    }
+  }
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (kType == MmaType::f16) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+#else
+  // Every architecture this project builds for is sm_80 or newer (CMakeLists.txt); the host
+  // pass of nvcc never runs device code.
+  (void)c, (void)a, (void)b0, (void)b1;
+#endif
+}
+
+}  // namespace mjolnir::cuda
