@@ -210,8 +210,9 @@ TEST(CudaEmulated, OddShapes) {
   run_all(cases, EmulatedKernels(kHopperSmem, 128));
 }
 
-// The tensor-core body (fp32 P): every format it takes, D 64 / 128 / 256, 1 to 16 query rows,
-// every Q mode, causal and not, splits, partial last steps, layouts and scale granularities.
+// The tensor-core body (fp32 P): every format it takes (fp8, 16-bit, fp4, nvfp4), D 64 / 128 /
+// 256, 1 to 16 query rows, every Q mode, causal and not, splits, partial last steps, layouts and
+// scale granularities.
 TEST(CudaEmulated, TensorCoreBody) {
   std::uint64_t seed = testing::test_seed() + 11;
   const std::vector<verify::Case> cases = {
@@ -227,6 +228,14 @@ TEST(CudaEmulated, TensorCoreBody) {
                ScaleGranularity::head, {200, 31}, seed++),
       odd_case(Format::bf16, Layout::B2NHD, 64, 64, 1, 1, true, 1, 64, QMode::bf16, PMode::fp32,
                ScaleGranularity::tensor, {1, 65}, seed++),
+      odd_case(Format::fp4_e2m1, Layout::BHN2D, 16, 128, 4, 2, true, 2, 64, QMode::fp32,
+               PMode::fp32, ScaleGranularity::channel, {140, 9, 0}, seed++),
+      odd_case(Format::fp4_e2m1, Layout::B2NHD, 8, 64, 3, 1, false, 1, 32, QMode::fp8, PMode::fp32,
+               ScaleGranularity::head, {50, 17}, seed++),
+      odd_case(Format::nvfp4, Layout::B2NHD, 16, 128, 4, 1, true, 3, 64, QMode::fp32, PMode::fp32,
+               ScaleGranularity::tensor, {200, 33}, seed++),
+      odd_case(Format::nvfp4, Layout::_2BHND, 32, 256, 2, 4, true, 1, 48, QMode::bf16, PMode::fp32,
+               ScaleGranularity::channel, {100, 5}, seed++),
   };
   const Tally tally = run_all(cases, EmulatedKernels(kHopperSmem));
   EXPECT_EQ(tally.tensor_core, int(cases.size()));

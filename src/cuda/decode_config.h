@@ -26,7 +26,7 @@ struct LaunchShape {
 // Which CTA body runs the items (docs/cuda.md, "The kernels").
 enum class DecodeBody {
   exact_order,  // decode_kernel.cuh: any shape and mode, the emulator's order of operations
-  tensor_core,  // decode_mma_kernel.cuh: fp32 P, <= 16 query rows, D 64/128/256, 16-byte rows
+  tensor_core,  // decode_mma_kernel.cuh: fp32 P, <= 16 query rows, D 64/128/256, aligned rows
 };
 
 struct DecodeConfig {
@@ -66,9 +66,9 @@ inline int copy_bytes_for(const KvCacheView& cache) {
 
 // Why the tensor-core body cannot run this launch, or empty when it can: it needs fp32 P (the
 // rounded P modes need the emulator's exact order), a format whose codes convert to an MMA operand
-// in registers, D of 64, 128 or 256 (at most 256 bytes per lane slice), at most 16 query rows,
-// 16-byte aligned rows, and sm_80 (mma.sync; fp8 conversions in hardware from sm_89, emulated
-// before). `compute_capability` is major * 10 + minor.
+// in registers (not fp6 yet), D of 64, 128 or 256 (16-bit rows at most 128 channels), at most 16
+// query rows, rows aligned for its loads (mma_row_alignment), and sm_80 (mma.sync; fp8 conversions
+// in hardware from sm_89, emulated before). `compute_capability` is major * 10 + minor.
 inline std::string tensor_core_unsupported(const KvCacheView& cache, const DecodeParams& params,
                                            int rows, int compute_capability,
                                            std::size_t max_smem_per_block) {
@@ -79,7 +79,7 @@ inline std::string tensor_core_unsupported(const KvCacheView& cache, const Decod
   if (d != 64 && d != 128 && d != 256) return "head_dim is not 64, 128 or 256";
   if (d == 256 && geo.row_bytes() > 256) return "16-bit rows of 256 channels";
   if (rows > kMmaRows) return "more than 16 query rows (q_len * group)";
-  if (copy_bytes_for(cache) != 16) return "rows are not 16-byte aligned";
+  if (copy_bytes_for(cache) < mma_row_alignment(geo.format)) return "rows are not aligned enough";
   if (compute_capability < 80) return "device older than sm_80";
   if (mma_smem(d).bytes > max_smem_per_block) return "shared memory";
   return {};

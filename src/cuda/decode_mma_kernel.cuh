@@ -33,13 +33,23 @@ class MmaDecodeCta : DecodeItem {
   static constexpr int kStep = kMmaStepTokens;
   static constexpr MmaType kType = kFormat == Format::bf16 ? MmaType::bf16 : MmaType::f16;
   static constexpr int kTerms = kType == MmaType::f16 ? 2 : 3;
-  static constexpr int kElementBytes = FormatTraits<kFormat>::kBits / 8;
-  static constexpr int kKSteps = kHeadDim / 16;                     // k-steps of the QK product
-  static constexpr int kNBlocks = kHeadDim / 8;                     // n-blocks of the O tile
-  static constexpr int kKWords = kHeadDim / 4 * kElementBytes / 4;  // a lane's K slice, words
-  static constexpr int kVWords = kHeadDim / 8 * kElementBytes / 4;  // a lane's V slice, words
-  // Prefetch the next step where the registers allow it: fp8 rows up to D 128.
-  static constexpr bool kPrefetch = kElementBytes == 1 && kHeadDim <= 128;
+  static constexpr int kBits = FormatTraits<kFormat>::kBits;
+  static constexpr int kElementBytes = kBits / 8;  // 0 for the 4-bit formats
+  static constexpr bool kNibbles = kBits == 4;     // fp4_e2m1, nvfp4
+  static constexpr bool kBlockScaled = kFormat == Format::nvfp4;
+  static constexpr int kKSteps = kHeadDim / 16;                  // k-steps of the QK product
+  static constexpr int kNBlocks = kHeadDim / 8;                  // n-blocks of the O tile
+  static constexpr int kKSliceBytes = kHeadDim / 4 * kBits / 8;  // a lane's K slice: D/4 channels
+  static constexpr int kVSliceBytes = kHeadDim / 8 * kBits / 8;  // a lane's V slice: D/8 channels
+  static constexpr int kKWords = kKSliceBytes / 4;
+  static constexpr int kVWords = kVSliceBytes / 4;
+  // nvfp4 rows (D/2 code bytes and D/16 scales: 72 bytes at D 128) are only 8-byte aligned.
+  static constexpr int kLoadBytes = kNibbles ? 8 : 16;
+  // 4-bit codes become f16 by placing their bits (subnormals included): the code's value times
+  // 2^-14, exactly. The 2^14 is multiplied back into the score scale and the output.
+  static constexpr float kValueScale = kNibbles ? 16384.0f : 1.0f;
+  // Prefetch the next step where the registers allow it (up to 32 words of K and V a step).
+  static constexpr bool kPrefetch = kBits <= 8 && 2 * kKWords + 4 * kVWords <= 32;
   static_assert(mma_format(kFormat) && kHeadDim % 64 == 0 && kHeadDim <= 256);
 
   __device__ MmaDecodeCta(const DecodeKernelParams& p, std::uint8_t* smem, const StepHeader& header,
@@ -77,8 +87,18 @@ class MmaDecodeCta : DecodeItem {
 
   __device__ static int lane() { return threadIdx.x & 31; }
 
-  // Byte offset in a K row of word w of lane tid's slice: 16-byte chunks, the quad's four lanes
-  // side by side in each 64 bytes, so one load instruction reads whole 32-byte sectors.
+  // The first of the four channels k-step j of lane tid covers (two in b0, two in b1).
+  __device__ static int k_step_channel(int tid, int j) {
+    if constexpr (kNibbles) {
+      return tid * (kHeadDim / 4) + 4 * j;  // a contiguous slice
+    } else {
+      return k_slice_byte(tid, kElementBytes == 1 ? j : 2 * j) / kElementBytes;
+    }
+  }
+
+  // Byte offset in a K row of word w of lane tid's slice (8- and 16-bit formats): 16-byte chunks,
+  // the quad's four lanes side by side in each 64 bytes, so one load instruction reads whole
+  // 32-byte sectors.
   __device__ static int k_slice_byte(int tid, int w) {
     return (w >> 2) * 64 + tid * 16 + (w & 3) * 4;
   }
@@ -104,13 +124,13 @@ class MmaDecodeCta : DecodeItem {
       frexpf(amax, &exponent);
       q_scale = minifloat_detail::exact_power_of_two(min(max(15 - exponent, -126), 127));
     }
-    score_scale_ = __fdiv_rn(scales.score_scale, q_scale);
+    score_scale_ = __fmul_rn(__fdiv_rn(scales.score_scale, q_scale), kValueScale);
     // fp8 Q codes are exact in either operand type, bf16 Q too (f16 keeps 11 bits); fp32 Q
     // needs every term.
     q_terms_ = static_cast<QMode>(p_.q_mode) == QMode::fp32 ? kTerms : 1;
     for (int e = threadIdx.x; e < kKSteps * 32; e += kThreads) {
       const int j = e / 32, l = e - j * 32, gid = l >> 2, tid = l & 3;
-      const int c = k_slice_byte(tid, kElementBytes == 1 ? j : 2 * j) / kElementBytes;
+      const int c = k_step_channel(tid, j);
       const float* row0 = q_values_ + gid * kHeadDim + c;
       const float* row1 = row0 + 8 * kHeadDim;
       std::uint32_t regs[4][kTerms];
@@ -126,44 +146,71 @@ class MmaDecodeCta : DecodeItem {
     __syncthreads();
   }
 
-  // kWords words (a multiple of 4, or 2) of row memory, in 16- or 8-byte loads.
-  template <int kWords>
+  // kWords words of row memory, in loads of kChunk bytes (16, 8 or 4; at most the size).
+  template <int kChunk, int kWords>
   __device__ static void load_words(const std::uint8_t* from, std::uint32_t (&words)[kWords]) {
 #if defined(MJOLNIR_CUDA_EMULATION)
     std::memcpy(words, from, sizeof(words));
 #else
-    if constexpr (kWords % 4 == 0) {
+    constexpr int kStep = kChunk < 4 * kWords ? kChunk / 4 : kWords;  // words per load
 #pragma unroll
-      for (int i = 0; i < kWords / 4; ++i) {
-        const uint4 x = __ldg(reinterpret_cast<const uint4*>(from) + i);
-        words[4 * i] = x.x;
-        words[4 * i + 1] = x.y;
-        words[4 * i + 2] = x.z;
-        words[4 * i + 3] = x.w;
+    for (int i = 0; i < kWords; i += kStep) {
+      if constexpr (kStep == 4) {
+        const uint4 x = __ldg(reinterpret_cast<const uint4*>(from + 4 * i));
+        words[i] = x.x, words[i + 1] = x.y, words[i + 2] = x.z, words[i + 3] = x.w;
+      } else if constexpr (kStep == 2) {
+        const uint2 x = __ldg(reinterpret_cast<const uint2*>(from + 4 * i));
+        words[i] = x.x, words[i + 1] = x.y;
+      } else {
+        words[i] = __ldg(reinterpret_cast<const unsigned*>(from + 4 * i));
       }
-    } else {
-      static_assert(kWords == 2);
-      const uint2 x = __ldg(reinterpret_cast<const uint2*>(from));
-      words[0] = x.x;
-      words[1] = x.y;
     }
 #endif
   }
 
-  // Lane tid's K slice of a row: its 16-byte chunks at k_slice_byte().
+  // `count` bytes (at most 4) from `from`, little-endian, as one word.
+  template <int kCount>
+  __device__ static std::uint32_t load_bytes(const std::uint8_t* from) {
+    std::uint32_t word = 0;
+    for (int i = 0; i < kCount; ++i) word |= std::uint32_t(from[i]) << (8 * i);
+    return word;
+  }
+
+  // Lane tid's K slice of a row: its 16-byte chunks at k_slice_byte(), or (4-bit formats) its
+  // contiguous D/8 bytes.
   __device__ static void load_k_slice(const std::uint8_t* row, int tid,
                                       std::uint32_t (&words)[kKWords]) {
-    for (int chunk = 0; chunk < kKWords / 4; ++chunk) {
-      std::uint32_t part[4];
-      load_words(row + k_slice_byte(tid, 4 * chunk), part);
-      for (int i = 0; i < 4; ++i) words[4 * chunk + i] = part[i];
+    if constexpr (kNibbles) {
+      load_words<kLoadBytes>(row + tid * kKSliceBytes, words);
+    } else {
+      for (int chunk = 0; chunk < kKWords / 4; ++chunk) {
+        std::uint32_t part[4];
+        load_words<16>(row + k_slice_byte(tid, 4 * chunk), part);
+        for (int i = 0; i < 4; ++i) words[4 * chunk + i] = part[i];
+      }
     }
   }
 
-  // The K operand (b0, b1) of k-step j from a lane's K slice.
-  __device__ static void k_operand(const std::uint32_t (&k)[kKWords], int j, std::uint32_t& b0,
-                                   std::uint32_t& b1) {
-    if constexpr (kElementBytes == 1) {
+  // nvfp4: the e4m3 block scale `code` (low byte) as an f16x2 of two equal halves.
+  __device__ static std::uint32_t scale_pair(std::uint32_t code) {
+    return fp8x2_to_f16x2<Format::fp8_e4m3>((code & 0xFFu) * 0x101u);
+  }
+
+  // The K operand (b0, b1) of k-step j from a lane's K slice (and, nvfp4, its block scales).
+  __device__ static void k_operand(const std::uint32_t (&k)[kKWords], std::uint32_t scales, int j,
+                                   std::uint32_t& b0, std::uint32_t& b1) {
+    if constexpr (kNibbles) {
+      // Channels 4j .. 4j + 3 of the slice are bytes 2j and 2j + 1: each byte two channels.
+      const std::uint32_t word = k[j >> 1];
+      const int byte = (j & 1) * 2;
+      b0 = e2m1x2_to_f16x2(byte_perm(word, word >> 4, nibble_pair_selector(byte)));
+      b1 = e2m1x2_to_f16x2(byte_perm(word, word >> 4, nibble_pair_selector(byte + 1)));
+      if constexpr (kBlockScaled) {
+        const std::uint32_t scale = scale_pair(scales >> (8 * (j >> 2)));  // 16 channels a block
+        b0 = hmul2(b0, scale);
+        b1 = hmul2(b1, scale);
+      }
+    } else if constexpr (kElementBytes == 1) {
       b0 = fp8x2_to_f16x2<kFormat>(k[j]);
       b1 = fp8x2_to_f16x2<kFormat>(k[j] >> 16);
     } else {
@@ -176,8 +223,20 @@ class MmaDecodeCta : DecodeItem {
   // 2tid + 9) in b1, at the lane's channel gid * D/8 + n. `first` and `second` are those two
   // tokens' slices.
   __device__ static std::uint32_t v_operand(const std::uint32_t (&first)[kVWords],
-                                            const std::uint32_t (&second)[kVWords], int n) {
-    if constexpr (kElementBytes == 1) {
+                                            const std::uint32_t (&second)[kVWords],
+                                            std::uint32_t scales, int n) {
+    if constexpr (kNibbles) {
+      // Channel n of the slice is nibble n: byte n / 2 of the words, high nibble when n is odd.
+      const int w = n >> 3, shift = 4 * (n & 1), byte = (n & 7) >> 1;
+      std::uint32_t pair = e2m1x2_to_f16x2(
+          byte_perm(first[w] >> shift, second[w] >> shift, nibble_pair_selector(byte)));
+      if constexpr (kBlockScaled) {
+        // The two tokens' scales of this channel's block, byte (slice offset + n) / 16.
+        const int block = ((kHeadDim / 8 * (lane() >> 2)) % 16 + n) / 16;
+        pair = hmul2(pair, fp8x2_to_f16x2<Format::fp8_e4m3>((scales >> (16 * block)) & 0xFFFFu));
+      }
+      return pair;
+    } else if constexpr (kElementBytes == 1) {
       const int w = n >> 2, within = n & 3;
       const std::uint32_t pair = byte_perm(first[w], second[w], within < 2 ? 0x5140u : 0x7362u);
       return fp8x2_to_f16x2<kFormat>((within & 1) != 0 ? pair >> 16 : pair);
@@ -191,7 +250,15 @@ class MmaDecodeCta : DecodeItem {
   struct StepData {
     std::uint32_t k[2][kKWords];  // tokens first + kb * 8 + gid
     std::uint32_t v[4][kVWords];  // tokens first + (vt / 2) * 8 + 2 tid + vt % 2
+    // nvfp4 block scales: k_scales[kb] the K slice's (byte i: block i of the slice); v_scales[p]
+    // the token pair p's (vt 2p, 2p + 1), 16 bits per block: the first token's code low.
+    std::uint32_t k_scales[2] = {};
+    std::uint32_t v_scales[2] = {};
   };
+
+  // nvfp4: the scale bytes a lane reads per row (its slice's blocks) and where they start.
+  static constexpr int kKScaleBytes = kHeadDim / 64;                            // D/4 channels
+  static constexpr int kVScaleBytes = kHeadDim / 8 >= 16 ? kHeadDim / 128 : 1;  // D/8 channels
 
   // Loads the step at `first`; positions past the range read its last row (masked later).
   __device__ void load_step(int first, StepData& data) const {
@@ -199,11 +266,26 @@ class MmaDecodeCta : DecodeItem {
     const int last_position = item_.kv_end - 1;
     for (int kb = 0; kb < 2; ++kb) {
       const int position = min(first + kb * 8 + gid, last_position);
-      load_k_slice(kv_row(position, 0), tid, data.k[kb]);
+      const std::uint8_t* row = kv_row(position, 0);
+      load_k_slice(row, tid, data.k[kb]);
+      if constexpr (kBlockScaled) {
+        data.k_scales[kb] = load_bytes<kKScaleBytes>(row + kHeadDim / 2 + tid * kKScaleBytes);
+      }
     }
     for (int vt = 0; vt < 4; ++vt) {
       const int position = min(first + (vt >> 1) * 8 + tid * 2 + (vt & 1), last_position);
-      load_words(kv_row(position, 1) + gid * (kVWords * 4), data.v[vt]);
+      const std::uint8_t* row = kv_row(position, 1);
+      load_words<kLoadBytes>(row + gid * kVSliceBytes, data.v[vt]);
+      if constexpr (kBlockScaled) {
+        const std::uint32_t codes =
+            load_bytes<kVScaleBytes>(row + kHeadDim / 2 + kHeadDim / 8 * gid / 16);
+        // Interleave the pair's codes per block: block i at bits 16i (first) and 16i + 8.
+        std::uint32_t& pair = data.v_scales[vt >> 1];
+        if ((vt & 1) == 0) pair = 0;
+        for (int i = 0; i < kVScaleBytes; ++i) {
+          pair |= ((codes >> (8 * i)) & 0xFFu) << (16 * i + 8 * (vt & 1));
+        }
+      }
     }
   }
 
@@ -254,8 +336,8 @@ class MmaDecodeCta : DecodeItem {
     float term_score[kTerms][2][4] = {};
     for (int j = 0; j < kKSteps; ++j) {
       std::uint32_t b[2][2];
-      k_operand(data.k[0], j, b[0][0], b[0][1]);
-      k_operand(data.k[1], j, b[1][0], b[1][1]);
+      k_operand(data.k[0], data.k_scales[0], j, b[0][0], b[0][1]);
+      k_operand(data.k[1], data.k_scales[1], j, b[1][0], b[1][1]);
       for (int t = 0; t < q_terms_; ++t) {
         std::uint32_t a[4];
         const std::uint32_t* from = q_frags_ + ((t * kKSteps + j) * 32 + lane()) * 4;
@@ -317,8 +399,8 @@ class MmaDecodeCta : DecodeItem {
     split2<kType, kTerms>(score[1][0], score[1][1], pa[2]);
     split2<kType, kTerms>(score[1][2], score[1][3], pa[3]);
     for (int n = 0; n < kNBlocks; ++n) {
-      const std::uint32_t b0 = v_operand(data.v[0], data.v[1], n);
-      const std::uint32_t b1 = v_operand(data.v[2], data.v[3], n);
+      const std::uint32_t b0 = v_operand(data.v[0], data.v[1], data.v_scales[0], n);
+      const std::uint32_t b1 = v_operand(data.v[2], data.v[3], data.v_scales[1], n);
       for (int t = 0; t < kTerms; ++t) {
         const std::uint32_t a[4] = {pa[0][t], pa[1][t], pa[2][t], pa[3][t]};
         mma_16816<kType>(s.o[n], a, b0, b1);
@@ -370,7 +452,7 @@ class MmaDecodeCta : DecodeItem {
       for (int w = 0; w < kWarps; ++w) {
         acc += row_weight_[w * kMmaRows + r] * merge_o_[(w * kMmaRows + r) * kHeadDim + c];
       }
-      output_row(r)[c] = acc * v_scale_at(c);
+      output_row(r)[c] = acc * v_scale_at(c) * kValueScale;
     }
   }
 
@@ -416,6 +498,10 @@ void with_mma_shape(Format format, int head_dim, Visit&& visit) {
       return dim.template operator()<Format::fp8_e4m3>();
     case Format::fp8_e5m2:
       return dim.template operator()<Format::fp8_e5m2>();
+    case Format::fp4_e2m1:
+      return dim.template operator()<Format::fp4_e2m1>();
+    case Format::nvfp4:
+      return dim.template operator()<Format::nvfp4>();
     default:
       detail::throw_error("cuda: no tensor-core body for format ", to_string(format));
   }

@@ -121,7 +121,13 @@ inline constexpr int kMmaMaxTerms = 3;     // operand terms of an fp32 value (bf
 // The formats whose codes convert exactly to an MMA operand type in registers.
 MJOLNIR_HOST_DEVICE constexpr bool mma_format(Format format) {
   return format == Format::fp8_e4m3 || format == Format::fp8_e5m2 || format == Format::fp16 ||
-         format == Format::bf16;
+         format == Format::bf16 || format == Format::fp4_e2m1 || format == Format::nvfp4;
+}
+
+// The row alignment (bytes) the tensor-core body's loads need: nvfp4 and fp4 rows are read in
+// 8-byte loads (nvfp4 rows of 72 bytes at D 128 are only 8-byte aligned), the others in 16.
+MJOLNIR_HOST_DEVICE constexpr int mma_row_alignment(Format format) {
+  return format == Format::fp4_e2m1 || format == Format::nvfp4 ? 8 : 16;
 }
 
 // Shared memory of one tensor-core CTA, byte offsets. Q's prepared rows and fragments are read

@@ -102,6 +102,33 @@ __device__ __forceinline__ std::uint32_t fp8x2_to_f16x2(std::uint32_t codes) {
 #endif
 }
 
+// Two e2m1 codes, in the low nibbles of bytes 0 and 2 (the other bits are ignored), as f16x2:
+// each code's bits placed into an f16 (sign to bit 15, exponent and mantissa to bits 9-11), which
+// is the code's value times 2^-14 exactly, subnormal codes included.
+__device__ __forceinline__ std::uint32_t e2m1x2_to_f16x2(std::uint32_t codes) {
+  return ((codes & 0x00070007u) << 9) | ((codes & 0x00080008u) << 12);
+}
+
+// The byte_perm selector that puts byte k of x in byte 0 and byte k of y in byte 2 (bytes 1 and
+// 3 get the same bytes again; e2m1x2_to_f16x2 ignores them).
+__device__ __forceinline__ std::uint32_t nibble_pair_selector(int k) {
+  return std::uint32_t(k) * 0x11u | std::uint32_t(4 + k) * 0x1100u;
+}
+
+// a * b for f16x2 values, rounded to nearest (exact for nvfp4's code times block scale).
+__device__ __forceinline__ std::uint32_t hmul2(std::uint32_t a, std::uint32_t b) {
+#if defined(MJOLNIR_CUDA_EMULATION)
+  float a_lo, a_hi, b_lo, b_hi;
+  unpack2<MmaType::f16>(a, a_lo, a_hi);
+  unpack2<MmaType::f16>(b, b_lo, b_hi);
+  return pack2<MmaType::f16>(a_lo * b_lo, a_hi * b_hi);
+#else
+  const __half2 product =
+      __hmul2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
+  return *reinterpret_cast<const std::uint32_t*>(&product);
+#endif
+}
+
 // Byte i of the result is byte (selector >> 4i) & 7 of the pair (x = bytes 0-3, y = 4-7).
 __device__ __forceinline__ std::uint32_t byte_perm(std::uint32_t x, std::uint32_t y,
                                                    std::uint32_t selector) {
