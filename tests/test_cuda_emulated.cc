@@ -210,8 +210,8 @@ TEST(CudaEmulated, OddShapes) {
   run_all(cases, EmulatedKernels(kHopperSmem, 128));
 }
 
-// The tensor-core body (fp32 P): every format it takes (fp8, 16-bit, fp4, nvfp4), D 64 / 128 /
-// 256, 1 to 16 query rows, every Q mode, causal and not, splits, partial last steps, layouts and
+// The tensor-core body (fp32 P): every format (fp8, 16-bit, fp6, fp4, nvfp4), D 64 / 128 / 256,
+// 1 to 16 query rows, every Q mode, causal and not, splits, partial last steps, layouts and
 // scale granularities.
 TEST(CudaEmulated, TensorCoreBody) {
   std::uint64_t seed = testing::test_seed() + 11;
@@ -236,6 +236,12 @@ TEST(CudaEmulated, TensorCoreBody) {
                ScaleGranularity::tensor, {200, 33}, seed++),
       odd_case(Format::nvfp4, Layout::_2BHND, 32, 256, 2, 4, true, 1, 48, QMode::bf16, PMode::fp32,
                ScaleGranularity::channel, {100, 5}, seed++),
+      odd_case(Format::fp6_e2m3, Layout::B2NHD, 16, 128, 4, 1, true, 2, 64, QMode::fp32,
+               PMode::fp32, ScaleGranularity::head, {130, 20}, seed++),
+      odd_case(Format::fp6_e3m2, Layout::BHN2D, 16, 256, 8, 2, false, 1, 32, QMode::fp8,
+               PMode::fp32, ScaleGranularity::channel, {75, 0, 16}, seed++),
+      odd_case(Format::fp6_e3m2, Layout::B2NHD, 8, 128, 2, 1, true, 3, 64, QMode::bf16, PMode::fp32,
+               ScaleGranularity::tensor, {180}, seed++),
   };
   const Tally tally = run_all(cases, EmulatedKernels(kHopperSmem));
   EXPECT_EQ(tally.tensor_core, int(cases.size()));

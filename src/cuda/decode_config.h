@@ -66,7 +66,7 @@ inline int copy_bytes_for(const KvCacheView& cache) {
 
 // Why the tensor-core body cannot run this launch, or empty when it can: it needs fp32 P (the
 // rounded P modes need the emulator's exact order), a format whose codes convert to an MMA operand
-// in registers (not fp6 yet), D of 64, 128 or 256 (16-bit rows at most 128 channels), at most 16
+// in registers, D of 64, 128 or 256 (not fp6 at 64; 16-bit rows at most 128 channels), at most 16
 // query rows, rows aligned for its loads (mma_row_alignment), and sm_80 (mma.sync; fp8 conversions
 // in hardware from sm_89, emulated before). `compute_capability` is major * 10 + minor.
 inline std::string tensor_core_unsupported(const KvCacheView& cache, const DecodeParams& params,
@@ -74,9 +74,8 @@ inline std::string tensor_core_unsupported(const KvCacheView& cache, const Decod
                                            std::size_t max_smem_per_block) {
   const CacheGeometry& geo = cache.geometry;
   if (params.p_mode != PMode::fp32) return "P mode is not fp32";
-  if (!mma_format(geo.format)) return "format has no tensor-core body";
   const int d = geo.head_dim;
-  if (d != 64 && d != 128 && d != 256) return "head_dim is not 64, 128 or 256";
+  if (!mma_shape(geo.format, d)) return "no tensor-core body for this format and head_dim";
   if (d == 256 && geo.row_bytes() > 256) return "16-bit rows of 256 channels";
   if (rows > kMmaRows) return "more than 16 query rows (q_len * group)";
   if (copy_bytes_for(cache) < mma_row_alignment(geo.format)) return "rows are not aligned enough";

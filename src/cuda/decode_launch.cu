@@ -77,9 +77,9 @@ void allow_max_smem(int bytes) {
     MJOLNIR_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
   }
-  for (const Format format : {Format::bf16, Format::fp16, Format::fp8_e4m3, Format::fp8_e5m2,
-                              Format::fp4_e2m1, Format::nvfp4}) {
+  for (const Format format : kAllFormats) {
     for (const int head_dim : {64, 128, 256}) {
+      if (!mma_shape(format, head_dim)) continue;
       with_mma_shape(format, head_dim, [&]<Format kFormat, int kHeadDim>() {
         MJOLNIR_CUDA_CHECK(cudaFuncSetAttribute(decode_mma_kernel<kFormat, kHeadDim>,
                                                 cudaFuncAttributeMaxDynamicSharedMemorySize,

@@ -34,8 +34,10 @@ class MmaDecodeCta : DecodeItem {
   static constexpr MmaType kType = kFormat == Format::bf16 ? MmaType::bf16 : MmaType::f16;
   static constexpr int kTerms = kType == MmaType::f16 ? 2 : 3;
   static constexpr int kBits = FormatTraits<kFormat>::kBits;
-  static constexpr int kElementBytes = kBits / 8;  // 0 for the 4-bit formats
+  static constexpr int kElementBytes = kBits / 8;  // 0 for the 4- and 6-bit formats
+  static constexpr bool kPacked = kBits < 8;       // contiguous K slices, codes placed into f16
   static constexpr bool kNibbles = kBits == 4;     // fp4_e2m1, nvfp4
+  static constexpr bool kSixBit = kBits == 6;      // fp6_e2m3, fp6_e3m2: 4 codes in 3 bytes
   static constexpr bool kBlockScaled = kFormat == Format::nvfp4;
   static constexpr int kKSteps = kHeadDim / 16;                  // k-steps of the QK product
   static constexpr int kNBlocks = kHeadDim / 8;                  // n-blocks of the O tile
@@ -43,14 +45,24 @@ class MmaDecodeCta : DecodeItem {
   static constexpr int kVSliceBytes = kHeadDim / 8 * kBits / 8;  // a lane's V slice: D/8 channels
   static constexpr int kKWords = kKSliceBytes / 4;
   static constexpr int kVWords = kVSliceBytes / 4;
-  // nvfp4 rows (D/2 code bytes and D/16 scales: 72 bytes at D 128) are only 8-byte aligned.
-  static constexpr int kLoadBytes = kNibbles ? 8 : 16;
-  // 4-bit codes become f16 by placing their bits (subnormals included): the code's value times
-  // 2^-14, exactly. The 2^14 is multiplied back into the score scale and the output.
-  static constexpr float kValueScale = kNibbles ? 16384.0f : 1.0f;
+  // Load widths: the largest that divides the slice (and its offsets) and the row alignment
+  // (nvfp4 rows, D/2 code bytes and D/16 scales, are 72 bytes at D 128: 8-byte aligned).
+  static constexpr int load_width(int slice_bytes) {
+    int width = mma_row_alignment(kFormat);
+    while (slice_bytes % width != 0) width /= 2;
+    return width;
+  }
+  static constexpr int kKLoadBytes = load_width(kKSliceBytes);
+  static constexpr int kVLoadBytes = load_width(kVSliceBytes);
+  // 4- and 6-bit codes become f16 by placing their bits (subnormals included): the code's value
+  // times 2^-14 (e2m1, e2m3) or 2^-12 (e3m2), exactly. The inverse is multiplied back into the
+  // score scale and the output.
+  static constexpr float kValueScale = kFormat == Format::fp6_e3m2 ? 4096.0f
+                                       : kPacked                   ? 16384.0f
+                                                                   : 1.0f;
   // Prefetch the next step where the registers allow it (up to 32 words of K and V a step).
   static constexpr bool kPrefetch = kBits <= 8 && 2 * kKWords + 4 * kVWords <= 32;
-  static_assert(mma_format(kFormat) && kHeadDim % 64 == 0 && kHeadDim <= 256);
+  static_assert(mma_shape(kFormat, kHeadDim));
 
   __device__ MmaDecodeCta(const DecodeKernelParams& p, std::uint8_t* smem, const StepHeader& header,
                           const WorkItem& item)
@@ -89,7 +101,7 @@ class MmaDecodeCta : DecodeItem {
 
   // The first of the four channels k-step j of lane tid covers (two in b0, two in b1).
   __device__ static int k_step_channel(int tid, int j) {
-    if constexpr (kNibbles) {
+    if constexpr (kPacked) {
       return tid * (kHeadDim / 4) + 4 * j;  // a contiguous slice
     } else {
       return k_slice_byte(tid, kElementBytes == 1 ? j : 2 * j) / kElementBytes;
@@ -180,15 +192,24 @@ class MmaDecodeCta : DecodeItem {
   // contiguous D/8 bytes.
   __device__ static void load_k_slice(const std::uint8_t* row, int tid,
                                       std::uint32_t (&words)[kKWords]) {
-    if constexpr (kNibbles) {
-      load_words<kLoadBytes>(row + tid * kKSliceBytes, words);
+    if constexpr (kPacked) {
+      load_words<kKLoadBytes>(row + tid * kKSliceBytes, words);
     } else {
       for (int chunk = 0; chunk < kKWords / 4; ++chunk) {
         std::uint32_t part[4];
-        load_words<16>(row + k_slice_byte(tid, 4 * chunk), part);
+        load_words<kKLoadBytes>(row + k_slice_byte(tid, 4 * chunk), part);
         for (int i = 0; i < 4; ++i) words[4 * chunk + i] = part[i];
       }
     }
+  }
+
+  // The 24 bits at byte `byte` of a slice (fp6's group of four codes), little-endian.
+  template <int kWords>
+  __device__ static std::uint32_t bits24(const std::uint32_t (&words)[kWords], int byte) {
+    const int w = byte >> 2, shift = 8 * (byte & 3);
+    std::uint32_t bits = words[w] >> shift;
+    if (shift > 8) bits |= words[w + 1] << (32 - shift);  // the group crosses into the next word
+    return bits & 0xFFFFFFu;
   }
 
   // nvfp4: the e4m3 block scale `code` (low byte) as an f16x2 of two equal halves.
@@ -210,6 +231,11 @@ class MmaDecodeCta : DecodeItem {
         b0 = hmul2(b0, scale);
         b1 = hmul2(b1, scale);
       }
+    } else if constexpr (kSixBit) {
+      // Channels 4j .. 4j + 3 of the slice are the 3-byte group j: codes at bits 0, 6, 12, 18.
+      const std::uint32_t group = bits24(k, 3 * j);
+      b0 = fp6x2_to_f16x2<kFormat>((group & 0x3Fu) | (group & 0xFC0u) << 10);
+      b1 = fp6x2_to_f16x2<kFormat>((group >> 12 & 0x3Fu) | (group >> 18 & 0x3Fu) << 16);
     } else if constexpr (kElementBytes == 1) {
       b0 = fp8x2_to_f16x2<kFormat>(k[j]);
       b1 = fp8x2_to_f16x2<kFormat>(k[j] >> 16);
@@ -236,6 +262,12 @@ class MmaDecodeCta : DecodeItem {
         pair = hmul2(pair, fp8x2_to_f16x2<Format::fp8_e4m3>((scales >> (16 * block)) & 0xFFFFu));
       }
       return pair;
+    } else if constexpr (kSixBit) {
+      // Channel n of the slice is code n % 4 of the 3-byte group n / 4.
+      const int shift = 6 * (n & 3);
+      const std::uint32_t code0 = bits24(first, 3 * (n >> 2)) >> shift & 0x3Fu;
+      const std::uint32_t code1 = bits24(second, 3 * (n >> 2)) >> shift & 0x3Fu;
+      return fp6x2_to_f16x2<kFormat>(code0 | code1 << 16);
     } else if constexpr (kElementBytes == 1) {
       const int w = n >> 2, within = n & 3;
       const std::uint32_t pair = byte_perm(first[w], second[w], within < 2 ? 0x5140u : 0x7362u);
@@ -275,7 +307,7 @@ class MmaDecodeCta : DecodeItem {
     for (int vt = 0; vt < 4; ++vt) {
       const int position = min(first + (vt >> 1) * 8 + tid * 2 + (vt & 1), last_position);
       const std::uint8_t* row = kv_row(position, 1);
-      load_words<kLoadBytes>(row + gid * kVSliceBytes, data.v[vt]);
+      load_words<kVLoadBytes>(row + gid * kVSliceBytes, data.v[vt]);
       if constexpr (kBlockScaled) {
         const std::uint32_t codes =
             load_bytes<kVScaleBytes>(row + kHeadDim / 2 + kHeadDim / 8 * gid / 16);
@@ -478,16 +510,12 @@ __global__ void __launch_bounds__(kMmaThreads) decode_mma_kernel(const DecodeKer
 // and head dimension it takes (make_decode_config() picks it only for those); throws otherwise.
 template <typename Visit>
 void with_mma_shape(Format format, int head_dim, Visit&& visit) {
+  MJOLNIR_REQUIRE(mma_shape(format, head_dim), "cuda: no tensor-core body for ", to_string(format),
+                  " at head_dim ", head_dim);
   auto dim = [&]<Format kFormat>() {
-    switch (head_dim) {
-      case 64:
-        return visit.template operator()<kFormat, 64>();
-      case 128:
-        return visit.template operator()<kFormat, 128>();
-      case 256:
-        return visit.template operator()<kFormat, 256>();
-    }
-    detail::throw_error("cuda: no tensor-core body for head_dim ", head_dim);
+    if (head_dim == 128) return visit.template operator()<kFormat, 128>();
+    if (head_dim == 256) return visit.template operator()<kFormat, 256>();
+    if constexpr (mma_shape(kFormat, 64)) return visit.template operator()<kFormat, 64>();
   };
   switch (format) {
     case Format::bf16:
@@ -498,12 +526,14 @@ void with_mma_shape(Format format, int head_dim, Visit&& visit) {
       return dim.template operator()<Format::fp8_e4m3>();
     case Format::fp8_e5m2:
       return dim.template operator()<Format::fp8_e5m2>();
+    case Format::fp6_e2m3:
+      return dim.template operator()<Format::fp6_e2m3>();
+    case Format::fp6_e3m2:
+      return dim.template operator()<Format::fp6_e3m2>();
     case Format::fp4_e2m1:
       return dim.template operator()<Format::fp4_e2m1>();
     case Format::nvfp4:
       return dim.template operator()<Format::nvfp4>();
-    default:
-      detail::throw_error("cuda: no tensor-core body for format ", to_string(format));
   }
 }
 

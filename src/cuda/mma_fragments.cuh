@@ -109,6 +109,16 @@ __device__ __forceinline__ std::uint32_t e2m1x2_to_f16x2(std::uint32_t codes) {
   return ((codes & 0x00070007u) << 9) | ((codes & 0x00080008u) << 12);
 }
 
+// Two fp6 codes, at bits 0-5 and 16-21 (nothing else set), as f16x2: each code's bits placed into
+// an f16 (sign to bit 15; exponent and mantissa so that the mantissas align), which is the code's
+// value times 2^-14 (e2m3) or 2^-12 (e3m2) exactly, subnormal codes included.
+template <Format kFormat>
+__device__ __forceinline__ std::uint32_t fp6x2_to_f16x2(std::uint32_t codes) {
+  static_assert(kFormat == Format::fp6_e2m3 || kFormat == Format::fp6_e3m2);
+  constexpr int kShift = kFormat == Format::fp6_e2m3 ? 7 : 8;  // 3 or 2 mantissa bits
+  return ((codes & 0x001F001Fu) << kShift) | ((codes & 0x00200020u) << 10);
+}
+
 // The byte_perm selector that puts byte k of x in byte 0 and byte k of y in byte 2 (bytes 1 and
 // 3 get the same bytes again; e2m1x2_to_f16x2 ignores them).
 __device__ __forceinline__ std::uint32_t nibble_pair_selector(int k) {
