@@ -247,6 +247,40 @@ TEST(CudaEmulated, TensorCoreBody) {
   EXPECT_EQ(tally.tensor_core, int(cases.size()));
 }
 
+// Which body a launch gets (decode_config.h): the tensor-core one only where its conditions
+// hold, each refusal for its own reason. Host logic; the pool is never read.
+TEST(CudaEmulated, BodyChoice) {
+  alignas(16) static std::byte pool[64];
+  auto reason = [](Format format, int d, int rows, PMode p_mode, std::size_t misalign = 0,
+                   int compute_capability = kHopper) {
+    KvCacheView cache;
+    cache.geometry = CacheGeometry{format, 4, 16, 8, d};
+    cache.strides = layout_strides(cache.geometry, Layout::B2NHD);
+    cache.data = pool + misalign;
+    DecodeParams params;
+    params.p_mode = p_mode;
+    return tensor_core_unsupported(cache, params, rows, compute_capability, kHopperSmem);
+  };
+  for (Format f : kAllFormats) {
+    SCOPED_TRACE(std::string(to_string(f)));
+    EXPECT_EQ(reason(f, 128, 4, PMode::fp32), "");
+    EXPECT_EQ(reason(f, 128, 16, PMode::fp32), "");
+    EXPECT_EQ(reason(f, 128, 17, PMode::fp32), "more than 16 query rows (q_len * group)");
+    EXPECT_EQ(reason(f, 128, 4, PMode::bf16), "P mode is not fp32");
+    EXPECT_EQ(reason(f, 128, 4, PMode::fp8), "P mode is not fp32");
+    EXPECT_EQ(reason(f, 96, 4, PMode::fp32), "no tensor-core body for this format and head_dim");
+    EXPECT_EQ(reason(f, 128, 4, PMode::fp32, 4), "rows are not aligned enough");
+    EXPECT_EQ(reason(f, 128, 4, PMode::fp32, 0, 75), "device older than sm_80");
+  }
+  EXPECT_EQ(reason(Format::fp6_e2m3, 64, 4, PMode::fp32),
+            "no tensor-core body for this format and head_dim");
+  EXPECT_EQ(reason(Format::fp8_e4m3, 64, 4, PMode::fp32), "");
+  EXPECT_EQ(reason(Format::bf16, 256, 4, PMode::fp32), "16-bit rows of 256 channels");
+  EXPECT_EQ(reason(Format::fp8_e4m3, 256, 4, PMode::fp32), "");
+  EXPECT_EQ(reason(Format::nvfp4, 128, 4, PMode::fp32, 8), "");  // 72-byte rows: 8 is enough
+  EXPECT_EQ(reason(Format::fp8_e4m3, 128, 4, PMode::fp32, 8), "rows are not aligned enough");
+}
+
 // A device with less shared memory: the query rows no longer fit one pass.
 TEST(CudaEmulated, SeveralRowPasses) {
   std::uint64_t seed = testing::test_seed() + 7;
