@@ -3,10 +3,12 @@
 // warp walks every fourth 16-token step of the item's range with its own online-softmax state;
 // the four states are merged through shared memory at the end (the split-KV merge, in-CTA).
 //
-// The K and V codes go from global memory straight into registers (16-byte loads) and are
+// The K and V codes go from global memory straight into registers (8- or 16-byte loads) and are
 // converted there, once per element and never per fragment: fp8 to f16x2 by the hardware
-// conversion (exact), fp16 and bf16 as they are. A lane's K row slice is contiguous, and the
-// channel order of the dot product is permuted to match it (Q's fragments use the same
+// conversion, fp16 and bf16 as they are, fp6 / fp4 by placing the codes' bits into f16 (a power
+// of two times the value), nvfp4 then times its block scale; all exact. Each lane's K slice is
+// read whole (interleaved 16-byte chunks for 8- and 16-bit rows, contiguous for packed ones) and
+// the channel order of the dot product is permuted to match it (Q's fragments use the same
 // permutation); V's token pairs are interleaved with byte permutes. Numerics (docs/cuda.md): the
 // QK and PV products use fp32 values split into 2 (f16) or 3 (bf16) operand terms, so the
 // products carry 22-24 significant bits and accumulate in fp32; Q is scaled by a power of two
