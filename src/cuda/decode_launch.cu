@@ -16,6 +16,14 @@ namespace mjolnir::cuda {
 
 namespace {
 
+// The merge of split sequences, after either decode body.
+void launch_merge(const DecodeKernelParams& p, const LaunchShape& shape, cudaStream_t stream) {
+  if (shape.merge_ctas > 0) {
+    merge_kernel<<<shape.merge_ctas, kMergeThreads, kMergeSmemBytes, stream>>>(p);
+    MJOLNIR_CUDA_CHECK(cudaGetLastError());
+  }
+}
+
 template <Format kFormat>
 void launch_format(const DecodeKernelParams& p, std::size_t smem_bytes, const LaunchShape& shape,
                    cudaStream_t stream) {
@@ -23,10 +31,7 @@ void launch_format(const DecodeKernelParams& p, std::size_t smem_bytes, const La
     decode_kernel<kFormat><<<shape.decode_ctas, kDecodeThreads, smem_bytes, stream>>>(p);
     MJOLNIR_CUDA_CHECK(cudaGetLastError());
   }
-  if (shape.merge_ctas > 0) {
-    merge_kernel<<<shape.merge_ctas, kMergeThreads, kMergeSmemBytes, stream>>>(p);
-    MJOLNIR_CUDA_CHECK(cudaGetLastError());
-  }
+  launch_merge(p, shape, stream);
 }
 
 template <Format kFormat, int kHeadDim>
@@ -36,10 +41,7 @@ void launch_mma(const DecodeKernelParams& p, std::size_t smem_bytes, const Launc
     decode_mma_kernel<kFormat, kHeadDim><<<shape.decode_ctas, kMmaThreads, smem_bytes, stream>>>(p);
     MJOLNIR_CUDA_CHECK(cudaGetLastError());
   }
-  if (shape.merge_ctas > 0) {
-    merge_kernel<<<shape.merge_ctas, kMergeThreads, kMergeSmemBytes, stream>>>(p);
-    MJOLNIR_CUDA_CHECK(cudaGetLastError());
-  }
+  launch_merge(p, shape, stream);
 }
 
 // The one place a runtime Format becomes a template constant. Every format of format.h has a
