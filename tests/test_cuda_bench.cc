@@ -82,6 +82,12 @@ std::vector<cuda::BenchSpec> bench_configs() {
   }
   add(Format::fp8_e4m3, 16, 32768, 1, 64);       // Hq 64, Hk 8
   add(Format::fp8_e4m3, 16, 32768, 1, 32, 256);  // D 256
+  // Probes for the next changes: fp8 Q (one operand term instead of two), and batch 1 with more
+  // chunks per sequence (128 CTAs at 16).
+  add(Format::fp8_e4m3, 16, 32768);
+  configs.back().q_mode = QMode::fp8;
+  add(Format::fp8_e4m3, 1, 32768);
+  configs.back().max_splits = 64;
   const char* set = std::getenv("MJOLNIR_CUDA_BENCH_SET");
   if (set != nullptr && std::string(set) == "short") configs.resize(5);
   return configs;
@@ -129,6 +135,7 @@ TEST(CudaBench, Table) {
         {"granularity", std::string(to_string(s.granularity))},
         {"q_mode", std::string(to_string(s.q_mode))},
         {"p_mode", std::string(to_string(s.p_mode))},
+        {"max_splits", s.max_splits},
         {"median_us", r.median_us},
         {"runs", r.runs},
         {"kv_bytes", r.kv_bytes},
