@@ -271,6 +271,33 @@ def plot(document: dict, path: pathlib.Path) -> None:
     fig.savefig(path, metadata={"Date": None} if path.suffix == ".svg" else None)
 
 
+def generated_block(doc: pathlib.Path, begin: str, end: str) -> str | None:
+    """The text between a doc's markers, or None when it has none."""
+    text = doc.read_text()
+    if begin not in text or end not in text:
+        return None
+    return text.split(begin, 1)[1].split(end, 1)[0]
+
+
+def write_block(doc: pathlib.Path, begin: str, end: str, tables: str, check: bool, script: str, source: str) -> int:
+    """Puts `tables` between the doc's markers, or with `check` only compares; returns the exit status."""
+    text = doc.read_text()
+    if generated_block(doc, begin, end) is None:
+        print(f"{doc}: no {begin} ... {end} markers", file=sys.stderr)
+        return 2
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    updated = f"{head}{begin}\n{tables}{end}{tail}"
+    if check:
+        if updated != text:
+            print(f"{doc}: its tables differ from {source}; run scripts/{script}", file=sys.stderr)
+            return 1
+        print(f"{doc}: tables match {source}")
+        return 0
+    doc.write_text(updated)
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
@@ -295,8 +322,7 @@ def main() -> int:
         if not args.check:
             parser.error("the results file is required unless --check")
         # The generated block names its sources: `bench/results/...json`, relative to the repo.
-        block = args.doc.read_text().split(BEGIN, 1)[-1].split(END, 1)[0]
-        named = re.findall(r"`(bench/results/[^`]+\.json)`", block)
+        named = re.findall(r"`(bench/results/[^`]+\.json)`", generated_block(args.doc, BEGIN, END) or "")
         if not named:
             print(f"{args.doc}: its tables name no bench/results file", file=sys.stderr)
             return 1
@@ -309,20 +335,9 @@ def main() -> int:
     tables = render_tables(
         document, repo_path(args.results), rates, repo_path(args.kernel_rates) if rates else ""
     )
-    text = args.doc.read_text()
-    if BEGIN not in text or END not in text:
-        print(f"{args.doc}: no {BEGIN} ... {END} markers", file=sys.stderr)
-        return 2
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    updated = f"{head}{BEGIN}\n{tables}{END}{tail}"
-    if args.check:
-        if updated != text:
-            print(f"{args.doc}: its tables differ from {args.results}; run scripts/render_bench.py", file=sys.stderr)
-            return 1
-        print(f"{args.doc}: tables match {args.results}")
-        return 0
-    args.doc.write_text(updated)
+    status = write_block(args.doc, BEGIN, END, tables, args.check, "render_bench.py", str(args.results))
+    if status != 0 or args.check:
+        return status
     if args.plot:
         plot(document, args.plot)
     return 0

@@ -19,6 +19,8 @@ import pathlib
 import re
 import sys
 
+from render_bench import generated_block, write_block
+
 BEGIN = "<!-- device-tables:begin -->"
 END = "<!-- device-tables:end -->"
 LOW_BIT = {"fp6_e2m3", "fp6_e3m2", "fp4_e2m1", "nvfp4"}
@@ -118,14 +120,8 @@ def main() -> int:
     parser.add_argument("--check", action="store_true", help="fail if the doc's tables differ from the files'")
     args = parser.parse_args()
     root = args.doc.resolve().parent.parent
-    text = args.doc.read_text()
-    if BEGIN not in text or END not in text:
-        print(f"{args.doc}: no {BEGIN} ... {END} markers", file=sys.stderr)
-        return 2
-    head, rest = text.split(BEGIN, 1)
-    block, tail = rest.split(END, 1)
     if args.cuda is None:
-        named = re.findall(r"`(bench/results/[^`]+\.json)`", block)
+        named = re.findall(r"`(bench/results/[^`]+\.json)`", generated_block(args.doc, BEGIN, END) or "")
         if len(named) < 3:
             print(f"{args.doc}: its tables do not name three bench/results files", file=sys.stderr)
             return 1
@@ -136,18 +132,11 @@ def main() -> int:
     def name(path: pathlib.Path) -> str:
         return path.resolve().relative_to(root).as_posix()
 
-    load = lambda path: json.loads(path.read_text())  # noqa: E731
-    tables = render(load(args.cuda), name(args.cuda), load(args.baseline), name(args.baseline), load(args.before), name(args.before))
-    updated = f"{head}{BEGIN}\n{tables}{END}{tail}"
-    if args.check:
-        if updated != text:
-            print(f"{args.doc}: its tables differ from the files; run scripts/render_device_bench.py", file=sys.stderr)
-            return 1
-        print(f"{args.doc}: tables match {name(args.cuda)}")
-        return 0
-    args.doc.write_text(updated)
-    return 0
+    def load(path: pathlib.Path) -> dict:
+        return json.loads(path.read_text())
 
+    tables = render(load(args.cuda), name(args.cuda), load(args.baseline), name(args.baseline), load(args.before), name(args.before))
+    return write_block(args.doc, BEGIN, END, tables, args.check, "render_device_bench.py", name(args.cuda))
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -23,7 +23,6 @@
 #include <memory>
 #include <mutex>
 #include <thread>
-#include <type_traits>
 #include <vector>
 
 // The kernels carry nvcc pragmas (#pragma unroll) that GCC does not know.
@@ -46,17 +45,13 @@ struct Dim3 {
 // The barriers of one CTA.
 struct CtaState {
   explicit CtaState(int threads)
-      : block(threads),
-        shuffle(std::size_t(threads)),
-        shuffle_bits(std::size_t(threads)),
-        fragments(std::size_t(threads)) {
+      : block(threads), shuffle(std::size_t(threads)), fragments(std::size_t(threads)) {
     for (int w = 0; w < threads / 32; ++w) warps.push_back(std::make_unique<std::barrier<>>(32));
   }
   std::barrier<> block;
   std::vector<std::unique_ptr<std::barrier<>>> warps;
   std::vector<float> shuffle;
-  std::vector<std::uint64_t> shuffle_bits;              // __shfl_sync of any 4- or 8-byte value
-  std::vector<std::array<std::uint32_t, 8>> fragments;  // a warp's MMA operands (warp_gather)
+  std::vector<std::array<std::uint32_t, 8>> fragments;  // what warp_gather exchanges
 };
 
 inline thread_local CtaState* cta = nullptr;
@@ -139,22 +134,6 @@ inline float __shfl_xor_sync(unsigned, float x, int lane_mask, int = 32) {
   state.warps[warp]->arrive_and_wait();
   return y;
 }
-// Lane `src_lane` of the warp's `x` (any lane, not only an xor partner).
-template <typename T>
-inline T __shfl_sync(unsigned, T x, int src_lane, int = 32) {
-  static_assert(sizeof(T) <= sizeof(std::uint64_t) && std::is_trivially_copyable_v<T>);
-  auto& state = *::mjolnir::cuda::emulation::cta;
-  const unsigned t = threadIdx.x, warp = t / 32;
-  std::uint64_t bits = 0;
-  std::memcpy(&bits, &x, sizeof(T));
-  state.shuffle_bits[t] = bits;
-  state.warps[warp]->arrive_and_wait();
-  bits = state.shuffle_bits[warp * 32 + (unsigned(src_lane) & 31u)];
-  state.warps[warp]->arrive_and_wait();
-  T y;
-  std::memcpy(&y, &bits, sizeof(T));
-  return y;
-}
 namespace mjolnir::cuda::emulation {
 // Every lane of the warp publishes `mine` and receives all 32 lanes' values, between two warp
 // barriers (one exchange where shuffles would take one per value).
@@ -173,14 +152,8 @@ inline std::array<std::array<std::uint32_t, 8>, 32> warp_gather(
 
 // Whether any lane of the warp has `predicate` set.
 inline bool __any_sync(unsigned, bool predicate) {
-  auto& state = *::mjolnir::cuda::emulation::cta;
-  const unsigned t = threadIdx.x, warp = t / 32;
-  state.shuffle_bits[t] = predicate ? 1 : 0;
-  state.warps[warp]->arrive_and_wait();
-  bool any = false;
-  for (unsigned i = 0; i < 32; ++i) any = any || state.shuffle_bits[warp * 32 + i] != 0;
-  state.warps[warp]->arrive_and_wait();
-  return any;
+  const auto all = ::mjolnir::cuda::emulation::warp_gather({predicate ? 1u : 0u});
+  return std::any_of(all.begin(), all.end(), [](const auto& lane) { return lane[0] != 0; });
 }
 inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fsub_rn(float a, float b) { return a - b; }

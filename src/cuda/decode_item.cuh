@@ -32,6 +32,19 @@ class DecodeItem {
     pages_ = reinterpret_cast<const std::int32_t*>(p.step + header.pages_offset) + seq.page_start;
   }
 
+  // A padding request or an empty chunk: O = 0, LSE = -inf, nothing read.
+  template <int kThreads>
+  __device__ void write_empty_rows() const {
+    const int d = p_.head_dim;
+    for (int e = threadIdx.x; e < p_.rows * d; e += kThreads) {
+      const int r = e / d;
+      output_row(r)[e - r * d] = 0.0f;
+    }
+    for (int r = threadIdx.x; r < p_.rows; r += kThreads) {
+      if (float* lse = lse_slot(r)) *lse = -INFINITY;
+    }
+  }
+
  protected:
   // Start of the packed K (kv 0) or V (kv 1) row of sequence position `position`.
   __device__ const std::uint8_t* kv_row(int position, int kv) const {
@@ -70,28 +83,20 @@ class DecodeItem {
            (std::int64_t(item_.partial_slot) * p_.num_kv_heads + item_.kv_head) * p_.rows + r;
   }
 
-  __device__ float k_scale_at(int c) const {
+  // The K or V scale of channel c of this item's head, at the cache's granularity.
+  __device__ float scale_at(const float* scales, int c) const {
     switch (static_cast<ScaleGranularity>(p_.granularity)) {
       case ScaleGranularity::tensor:
-        return p_.k_scale[0];
+        return scales[0];
       case ScaleGranularity::head:
-        return p_.k_scale[item_.kv_head];
+        return scales[item_.kv_head];
       case ScaleGranularity::channel:
-        return p_.k_scale[item_.kv_head * p_.head_dim + c];
+        return scales[item_.kv_head * p_.head_dim + c];
     }
     return 1.0f;
   }
-  __device__ float v_scale_at(int c) const {
-    switch (static_cast<ScaleGranularity>(p_.granularity)) {
-      case ScaleGranularity::tensor:
-        return p_.v_scale[0];
-      case ScaleGranularity::head:
-        return p_.v_scale[item_.kv_head];
-      case ScaleGranularity::channel:
-        return p_.v_scale[item_.kv_head * p_.head_dim + c];
-    }
-    return 1.0f;
-  }
+  __device__ float k_scale_at(int c) const { return scale_at(p_.k_scale, c); }
+  __device__ float v_scale_at(int c) const { return scale_at(p_.v_scale, c); }
   __device__ bool channel_scales() const {
     return static_cast<ScaleGranularity>(p_.granularity) == ScaleGranularity::channel;
   }
@@ -139,19 +144,6 @@ class DecodeItem {
     return total;
   }
 
-  // A padding request or an empty chunk: O = 0, LSE = -inf, nothing read.
-  template <int kThreads>
-  __device__ void write_empty_rows() const {
-    const int d = p_.head_dim;
-    for (int e = threadIdx.x; e < p_.rows * d; e += kThreads) {
-      const int r = e / d;
-      output_row(r)[e - r * d] = 0.0f;
-    }
-    for (int r = threadIdx.x; r < p_.rows; r += kThreads) {
-      if (float* lse = lse_slot(r)) *lse = -INFINITY;
-    }
-  }
-
   const DecodeKernelParams& p_;
   const WorkItem item_;
   int seq_len_ = 0;
@@ -159,14 +151,18 @@ class DecodeItem {
 };
 
 // The body of a decode kernel over a fixed grid: CTAs past the uploaded plan's item count exit
-// (so a captured graph replays any plan that fits the capacity); the others run their item's
-// CTA body `Cta` (constructed from the parameters, the dynamic shared memory, the step header
-// and the item).
+// (so a captured graph replays any plan that fits the capacity), empty items write their empty
+// rows, and the others run their item's CTA body `Cta` (constructed from the parameters, the
+// dynamic shared memory, the step header and the item).
 template <typename Cta>
 __device__ void run_work_item(const DecodeKernelParams& p, std::uint8_t* smem) {
   const StepHeader header = *reinterpret_cast<const StepHeader*>(p.step);
   if (static_cast<int>(blockIdx.x) >= header.num_items) return;
   const WorkItem item = reinterpret_cast<const WorkItem*>(p.step + header.items_offset)[blockIdx.x];
+  if (item.kv_begin >= item.kv_end) {  // a padding request: writes O = 0, LSE = -inf, reads nothing
+    DecodeItem(p, header, item).write_empty_rows<Cta::kThreads>();
+    return;
+  }
   Cta cta(p, smem, header, item);
   cta.run();
 }

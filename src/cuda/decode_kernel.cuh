@@ -108,11 +108,8 @@ class DecodeCta : DecodeItem {
     reduce_ = reinterpret_cast<float*>(smem + layout.reduce);
   }
 
+  // A non-empty item (run_work_item writes the rows of empty ones).
   __device__ void run() {
-    if (item_.kv_begin >= item_.kv_end) {  // padding request: O = 0, LSE = -inf, reads nothing
-      write_empty_rows<kThreads>();
-      return;
-    }
     prepare_query_scale();
     for (pass_begin_ = 0; pass_begin_ < p_.rows; pass_begin_ += p_.pass_rows) {
       pass_rows_ = min(p_.pass_rows, p_.rows - pass_begin_);

@@ -79,11 +79,8 @@ class MmaDecodeCta : DecodeItem {
     reduce_ = reinterpret_cast<float*>(smem + layout.reduce);
   }
 
+  // A non-empty item (run_work_item writes the rows of empty ones).
   __device__ void run() {
-    if (item_.kv_begin >= item_.kv_end) {  // padding request: O = 0, LSE = -inf, reads nothing
-      write_empty_rows<kThreads>();
-      return;
-    }
     prepare_query();
     WarpState state;
     walk(state);

@@ -118,18 +118,12 @@ inline constexpr int kMmaRows = 16;        // query rows of the MMA's M dimensio
 inline constexpr int kMmaStepTokens = 16;  // KV tokens a warp takes per step
 inline constexpr int kMmaMaxTerms = 3;     // operand terms of an fp32 value (bf16: 3, f16: 2)
 
-// The formats whose codes convert exactly to an MMA operand type in registers (all of them).
-MJOLNIR_HOST_DEVICE constexpr bool mma_format(Format format) {
-  return format == Format::fp8_e4m3 || format == Format::fp8_e5m2 || format == Format::fp16 ||
-         format == Format::bf16 || format == Format::fp4_e2m1 || format == Format::nvfp4 ||
-         format == Format::fp6_e2m3 || format == Format::fp6_e3m2;
-}
-
-// The (format, D) pairs the tensor-core body is instantiated for: D 64, 128, 256, except fp6 at
-// D 64 (a lane's V slice would be 6 bytes, not whole words).
+// The (format, D) pairs the tensor-core body is instantiated for: every format (each converts
+// exactly to an MMA operand in registers) at D 64, 128, 256, except fp6 at D 64 (a lane's V
+// slice would be 6 bytes, not whole words).
 MJOLNIR_HOST_DEVICE constexpr bool mma_shape(Format format, int head_dim) {
   const bool six_bit = format == Format::fp6_e2m3 || format == Format::fp6_e3m2;
-  return mma_format(format) && (head_dim == 128 || head_dim == 256 || (head_dim == 64 && !six_bit));
+  return head_dim == 128 || head_dim == 256 || (head_dim == 64 && !six_bit);
 }
 
 // The row alignment (bytes) the tensor-core body's loads need: nvfp4 and fp4 rows are read in
