@@ -280,7 +280,10 @@ BenchResult bench_decode(const BenchSpec& spec) {
   Plan plan(capacity.plan);
   make_plan(plan, seq_lens, spec.q_len, spec.num_kv_heads, options);
   result.num_items = plan.num_items;
-  result.body = chosen_body(args) == DecodeBody::tensor_core ? "tensor_core" : "exact_order";
+  const int rows = spec.q_len * (spec.num_q_heads / spec.num_kv_heads);
+  result.body = chosen_body(args) == DecodeBody::exact_order ? "exact_order"
+                : mma_stacked_terms(geometry.format, rows)   ? "tensor_core_stacked"
+                                                             : "tensor_core";
   DecodeStep step(capacity);
   DeviceMemory workspace(decode_workspace_bytes(capacity, geometry, args.params));
   const std::span<std::byte> workspace_span(

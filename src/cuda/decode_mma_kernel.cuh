@@ -1,5 +1,6 @@
 // The tensor-core decode body: one CTA of four warps per work item, the item's (q_len * g <= 16)
-// query rows on the M dimension of mma.sync m16n8k16, KV tokens on N (scores) and K (P.V). Each
+// query rows on the M dimension of mma.sync m16n8k16, KV tokens on N (scores) and K (P.V); up to
+// 8 rows, each row's two f16 operand terms take M rows r and r + 8 (consume_stacked_step). Each
 // warp walks every fourth 16-token step of the item's range with its own online-softmax state;
 // the four states are merged through shared memory at the end (the split-KV merge, in-CTA).
 //
@@ -83,7 +84,11 @@ class MmaDecodeCta : DecodeItem {
   __device__ void run() {
     prepare_query();
     WarpState state;
-    walk(state);
+    if (stacked_) {
+      walk<true>(state);
+    } else {
+      walk<false>(state);
+    }
     merge_and_write(state);
   }
 
@@ -139,11 +144,21 @@ class MmaDecodeCta : DecodeItem {
     // fp8 Q codes are exact in either operand type, bf16 Q too (f16 keeps 11 bits); fp32 Q
     // needs every term.
     q_terms_ = static_cast<QMode>(p_.q_mode) == QMode::fp32 ? kTerms : 1;
+    stacked_ = mma_stacked_terms(kFormat, p_.rows);
+    static_assert(kType == MmaType::f16 || !mma_stacked_terms(kFormat, 1));  // two terms
     for (int e = threadIdx.x; e < kKSteps * 32; e += kThreads) {
       const int j = e / 32, l = e - j * 32, gid = l >> 2, tid = l & 3;
       const int c = k_step_channel(tid, j);
       const float* row0 = q_values_ + gid * kHeadDim + c;
       const float* row1 = row0 + 8 * kHeadDim;
+      if (stacked_) {  // row gid's term 0 in M row gid, its term 1 in M row gid + 8
+        std::uint32_t low[2], high[2];
+        split2<kType, 2>(row0[0] * q_scale, row0[1] * q_scale, low);
+        split2<kType, 2>(row0[2] * q_scale, row0[3] * q_scale, high);
+        std::uint32_t* to = q_frags_ + (j * 32 + l) * 4;
+        to[0] = low[0], to[1] = low[1], to[2] = high[0], to[3] = high[1];
+        continue;
+      }
       std::uint32_t regs[4][kTerms];
       split2<kType, kTerms>(row0[0] * q_scale, row0[1] * q_scale, regs[0]);
       split2<kType, kTerms>(row1[0] * q_scale, row1[1] * q_scale, regs[1]);
@@ -323,6 +338,7 @@ class MmaDecodeCta : DecodeItem {
   // Each warp takes every fourth step. With kPrefetch, the next step's rows are loaded before
   // this one is computed, so twice the bytes are in flight per warp (fp8 rows are half as wide
   // as 16-bit ones, and their registers allow it).
+  template <bool kStacked>
   __device__ void walk(WarpState& s) const {
     const int warp = threadIdx.x >> 5, gid = lane() >> 2;
     for (int n = 0; n < kNBlocks; ++n) {
@@ -338,6 +354,14 @@ class MmaDecodeCta : DecodeItem {
       const int last = p_.causal ? seq_len_ - p_.q_len + r / p_.group : seq_len_ - 1;
       visible[ri] = r < p_.rows ? min(last, item_.kv_end - 1) : -1;
     }
+    // kStacked: the lane's one query row gid takes M rows gid and gid + 8 (stacked_).
+    const auto consume = [&](int step_first, const StepData& data) {
+      if constexpr (kStacked) {
+        consume_stacked_step(step_first, data, visible[0], s);
+      } else {
+        consume_step(step_first, data, visible, s);
+      }
+    };
     constexpr int kStride = kWarps * kStep;
     int first = item_.kv_begin + warp * kStep;
     if constexpr (kPrefetch) {
@@ -346,14 +370,14 @@ class MmaDecodeCta : DecodeItem {
       for (; first < item_.kv_end; first += kStride) {
         StepData next;
         if (first + kStride < item_.kv_end) load_step(first + kStride, next);
-        consume_step(first, current, visible, s);
+        consume(first, current);
         current = next;
       }
     } else {
       for (; first < item_.kv_end; first += kStride) {
         StepData current;
         load_step(first, current);
-        consume_step(first, current, visible, s);
+        consume(first, current);
       }
     }
   }
@@ -439,11 +463,80 @@ class MmaDecodeCta : DecodeItem {
     }
   }
 
+  // consume_step with stacked terms (q_len * g <= 8, two f16 terms): each MMA carries both
+  // operand terms of the lane's row gid, term 0 in M row gid and term 1 in M row gid + 8, so a
+  // step takes half the MMAs of the plain layout, whose rows 8..15 would be empty. The QK
+  // accumulators of the two terms are added once per score (as the plain layout adds its
+  // per-term accumulators); the PV ones are added once, in merge_and_write.
+  __device__ void consume_stacked_step(int first, const StepData& data, int visible,
+                                       WarpState& s) const {
+    const int tid = lane() & 3;
+    float acc[2][4] = {};  // n-block kb: c0, c1 term 0 and c2, c3 term 1 of tokens 2tid, 2tid + 1
+    for (int j = 0; j < kKSteps; ++j) {
+      std::uint32_t b[2][2];
+      k_operand(data.k[0], data.k_scales[0], j, b[0][0], b[0][1]);
+      k_operand(data.k[1], data.k_scales[1], j, b[1][0], b[1][1]);
+      std::uint32_t a[4];
+      const std::uint32_t* from = q_frags_ + (j * 32 + lane()) * 4;
+      for (int i = 0; i < 4; ++i) a[i] = from[i];
+      mma_16816<kType>(acc[0], a, b[0][0], b[0][1]);
+      mma_16816<kType>(acc[1], a, b[1][0], b[1][1]);
+    }
+    float score[2][2];
+    float row_max = -INFINITY;
+    for (int kb = 0; kb < 2; ++kb) {
+      for (int i = 0; i < 2; ++i) {
+        const int position = first + kb * 8 + tid * 2 + i;
+        const float x = acc[kb][i] + acc[kb][i + 2];
+        score[kb][i] = position <= visible ? x * score_scale_ : -INFINITY;
+        row_max = fmaxf(row_max, score[kb][i]);
+      }
+    }
+    row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 1));
+    row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 2));
+    const float m_new = fmaxf(s.m[0], row_max);
+    float sum = 0.0f;
+    for (int kb = 0; kb < 2; ++kb) {
+      for (int i = 0; i < 2; ++i) {
+        float& x = score[kb][i];
+        x = m_new == -INFINITY ? 0.0f : exp2f(x - m_new);  // masked: exp2(-inf) = 0
+        sum += x;
+      }
+    }
+    const float alpha = m_new == -INFINITY ? 1.0f : exp2f(s.m[0] - m_new);
+    s.l[0] = s.l[0] * alpha + sum;
+    s.m[0] = m_new;
+    if (__any_sync(0xffffffffu, alpha != 1.0f)) {
+      for (int n = 0; n < kNBlocks; ++n) {
+        for (int i = 0; i < 4; ++i) s.o[n][i] *= alpha;
+      }
+    }
+
+    // O += P V with P's two terms stacked as Q's were: a0 / a2 term 0 of tokens (2tid,
+    // 2tid + 1) / (2tid + 8, 2tid + 9), a1 / a3 their term 1.
+    std::uint32_t first_pair[2], second_pair[2];
+    split2<kType, 2>(score[0][0], score[0][1], first_pair);
+    split2<kType, 2>(score[1][0], score[1][1], second_pair);
+    const std::uint32_t a[4] = {first_pair[0], first_pair[1], second_pair[0], second_pair[1]};
+    for (int n = 0; n < kNBlocks; ++n) {
+      const std::uint32_t b0 = v_operand(data.v[0], data.v[1], data.v_scales[0], n);
+      const std::uint32_t b1 = v_operand(data.v[2], data.v[3], data.v_scales[1], n);
+      mma_16816<kType>(s.o[n], a, b0, b1);
+    }
+  }
+
   // The four warps' states merged per row (the LSE merge of step 6 inside the CTA), then
   // step 5: o = acc * v_scale / l, lse = (m + log2 l) * ln 2; rows that saw nothing: O = 0,
   // LSE = -inf.
   __device__ void merge_and_write(WarpState& s) {
     const int warp = threadIdx.x >> 5, gid = lane() >> 2, tid = lane() & 3;
+    if (stacked_) {  // M row gid + 8 held the second term of row gid's P
+      for (int n = 0; n < kNBlocks; ++n) {
+        s.o[n][0] += s.o[n][2];
+        s.o[n][1] += s.o[n][3];
+        s.o[n][2] = s.o[n][3] = 0.0f;
+      }
+    }
     for (int ri = 0; ri < 2; ++ri) {
       s.l[ri] += __shfl_xor_sync(0xffffffffu, s.l[ri], 1);
       s.l[ri] += __shfl_xor_sync(0xffffffffu, s.l[ri], 2);
@@ -496,11 +589,16 @@ class MmaDecodeCta : DecodeItem {
   float* reduce_ = nullptr;
   float score_scale_ = 0.0f;
   int q_terms_ = 1;
+  bool stacked_ = false;  // q_len * g <= 8 with two operand terms: see consume_stacked_step
 };
 
-// One CTA per work item of a fixed grid, as decode_kernel.
+// One CTA per work item of a fixed grid, as decode_kernel. At D <= 128, three CTAs per SM: left
+// free, ptxas gives the stacked-terms variant more registers (192 at fp8 D 128), which fits only
+// two CTAs, a third fewer loads in flight; capped, it needs no spills (168). At D 256 it would
+// spill.
 template <Format kFormat, int kHeadDim>
-__global__ void __launch_bounds__(kMmaThreads) decode_mma_kernel(const DecodeKernelParams p) {
+__global__ void __launch_bounds__(kMmaThreads, kHeadDim <= 128 ? 3 : 1)
+    decode_mma_kernel(const DecodeKernelParams p) {
   extern __shared__ __align__(16) std::uint8_t smem[];
   run_work_item<MmaDecodeCta<kFormat, kHeadDim>>(p, smem);
 }

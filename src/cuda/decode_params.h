@@ -132,6 +132,13 @@ MJOLNIR_HOST_DEVICE constexpr int mma_row_alignment(Format format) {
   return format == Format::fp4_e2m1 || format == Format::nvfp4 ? 8 : 16;
 }
 
+// Whether the tensor-core body stacks each query row's two operand terms on M rows r and r + 8
+// (decode_mma_kernel.cuh, consume_stacked_step): f16 operands (every format but bf16, whose
+// three bf16 terms would not fit) and at most 8 query rows (q_len * g).
+MJOLNIR_HOST_DEVICE constexpr bool mma_stacked_terms(Format format, int rows) {
+  return format != Format::bf16 && rows <= kMmaRows / 2;
+}
+
 // Shared memory of one tensor-core CTA, byte offsets. Q's prepared rows and fragments are read
 // until the warps finish their walk; the merge buffers are written after it and alias them.
 struct MmaSmem {
