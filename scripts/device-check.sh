@@ -101,7 +101,7 @@ grep -A3 "entry function.*decode_kernel" "$out/build.log" | grep -E "registers|s
 # --- 2. GPU tests ------------------------------------------------------------------------------
 note "GPU tests (ctest -L gpu -j $jobs)"
 staged 180 150 ctest --test-dir "$build" -L gpu -j "$jobs" --timeout 180 --output-on-failure \
-  --output-junit "$out/ctest-junit.xml" >"$out/ctest.log" 2>&1
+  >"$out/ctest.log" 2>&1
 test_status=$?
 tests_line=$(grep -E "tests passed|tests failed" "$out/ctest.log" | tail -1)
 tests_line="${tests_line:-no summary}; $(grep -c "(Skipped)" "$out/ctest.log") of them skipped"
@@ -114,6 +114,14 @@ MJOLNIR_CUDA_BENCH_JSON=$out/bench-cuda.json \
   staged 150 90 "$build/tests/test_cuda_bench" --gtest_filter=CudaBench.Table \
   >"$out/bench.log" 2>&1
 note "bench status $?"
+# The same first rows on the plain tensor-core layout, against the stacked / tokens-on-M ones the
+# table above ran (MmaLayout, docs/cuda.md): the A/B of the layouts in one run.
+note "benchmark rows on the plain layout (MJOLNIR_CUDA_MMA_LAYOUT=plain)"
+MJOLNIR_CUDA_MMA_LAYOUT=plain MJOLNIR_CUDA_BENCH_SET=short \
+  MJOLNIR_CUDA_BENCH_JSON=$out/bench-cuda-plain.json \
+  staged 45 80 "$build/tests/test_cuda_bench" --gtest_filter=CudaBench.Table \
+  >>"$out/bench.log" 2>&1
+note "plain-layout bench status $?"
 
 # --- 4. PyTorch SDPA over the same shapes, K/V dequantized to bf16 (and FlashInfer if present) --
 note "baselines (torch SDPA bf16; FlashInfer if importable)"
@@ -232,7 +240,7 @@ fi
   nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader 2>&1 | head -1
   echo "tests: $tests_line"
   echo "cuda decode (graph replay) vs the measured copy bandwidth:"
-  grep -E "^(device:|format |bf16 |fp16 |fp8_|fp6_|fp4_|nvfp4 )" "$out/bench.log" | head -30
+  grep -E "^(device:|format |bf16 |fp16 |fp8_|fp6_|fp4_|nvfp4 )" "$out/bench.log" | head -40
   echo "baselines:"
   grep -E "^(torch_sdpa|flashinfer)" "$out/bench.log" | head -12
   echo "sanitizers:"

@@ -66,8 +66,9 @@ void with_format(Format format, Visit&& visit) {
 // `smem_limit` bytes per CTA, and a fixed grid of the plan's capacity as a captured graph runs.
 class EmulatedKernels final : public Backend {
  public:
-  explicit EmulatedKernels(std::size_t smem_limit, int score_tokens = 0)
-      : smem_limit_(smem_limit), score_tokens_(score_tokens) {}
+  explicit EmulatedKernels(std::size_t smem_limit, int score_tokens = 0,
+                           MmaLayout layout_limit = MmaLayout::tokens_on_m)
+      : smem_limit_(smem_limit), score_tokens_(score_tokens), layout_limit_(layout_limit) {}
   std::string_view name() const override { return "cuda-emulated"; }
   std::string unsupported_reason(const CacheGeometry&, const DecodeParams&) const override {
     return {};
@@ -89,10 +90,11 @@ class EmulatedKernels final : public Backend {
     shape.partial_slots = std::size_t(plan.capacity.max_seqs) * plan.capacity.max_splits;
     const DecodeConfig config =
         make_decode_config(args, args.cache.k_scale.data(), args.cache.v_scale.data(), step.data(),
-                           workspace, shape, smem_limit_, kHopper);
+                           workspace, shape, smem_limit_, kHopper, layout_limit_);
     EXPECT_LE(config.smem_bytes, kEmulatedSharedMemoryBytes);
     last_pass_rows = config.params.pass_rows;
     last_body = config.body;
+    last_layout = static_cast<MmaLayout>(config.params.mma_layout);
     for (int b = 0; b < shape.decode_ctas; ++b) {
       if (config.body == DecodeBody::tensor_core) {
         with_mma_shape(geo.format, geo.head_dim, [&]<Format kFormat, int kHeadDim>() {
@@ -111,14 +113,17 @@ class EmulatedKernels final : public Backend {
   }
   mutable int last_pass_rows = 0;
   mutable DecodeBody last_body = DecodeBody::exact_order;
+  mutable MmaLayout last_layout = MmaLayout::plain;
 
  private:
   std::size_t smem_limit_;
   int score_tokens_;
+  MmaLayout layout_limit_;
 };
 
 struct Tally {
   int cases = 0, bit_exact = 0, multi_pass = 0, tensor_core = 0;
+  int layouts[3] = {};  // tensor-core cases per MmaLayout
   double worst = 0;
 };
 
@@ -131,12 +136,16 @@ Tally run_all(const std::vector<verify::Case>& cases, const EmulatedKernels& bac
     if (r.error_vs_emulator == 0) ++tally.bit_exact;
     tally.worst = std::max(tally.worst, r.error_vs_emulator);
     if (backend.last_pass_rows < c.spec.group * c.spec.params.q_len) ++tally.multi_pass;
-    if (backend.last_body == DecodeBody::tensor_core) ++tally.tensor_core;
+    if (backend.last_body == DecodeBody::tensor_core) {
+      ++tally.tensor_core;
+      ++tally.layouts[int(backend.last_layout)];
+    }
   }
   std::cout << "[ emulated ] " << tally.cases << " cases, " << tally.bit_exact
             << " bit-identical to the emulator, worst rel L2 " << tally.worst << ", "
             << tally.multi_pass << " in several row passes, " << tally.tensor_core
-            << " on the tensor-core body" << std::endl;
+            << " on the tensor-core body (plain " << tally.layouts[0] << ", stacked "
+            << tally.layouts[1] << ", tokens on M " << tally.layouts[2] << ")" << std::endl;
   return tally;
 }
 
@@ -242,9 +251,21 @@ TEST(CudaEmulated, TensorCoreBody) {
                PMode::fp32, ScaleGranularity::channel, {75, 0, 16}, seed++),
       odd_case(Format::fp6_e3m2, Layout::B2NHD, 8, 128, 2, 1, true, 3, 64, QMode::bf16, PMode::fp32,
                ScaleGranularity::tensor, {180}, seed++),
+      // Stacked terms (5-8 rows) and tokens on M (1-4 rows) for the 8- and 16-bit formats.
+      odd_case(Format::fp8_e5m2, Layout::B2NHD, 16, 128, 8, 1, true, 2, 64, QMode::fp32,
+               PMode::fp32, ScaleGranularity::head, {260, 40}, seed++),
+      odd_case(Format::fp16, Layout::BHN2D, 32, 128, 2, 3, true, 1, 32, QMode::fp32, PMode::fp32,
+               ScaleGranularity::channel, {97, 6}, seed++),
+      odd_case(Format::fp8_e4m3, Layout::_2BHND, 8, 64, 1, 1, false, 3, 32, QMode::fp32,
+               PMode::fp32, ScaleGranularity::tensor, {333, 1, 0}, seed++),
+      odd_case(Format::fp16, Layout::B2HND, 16, 64, 4, 1, true, 2, 48, QMode::bf16, PMode::fp32,
+               ScaleGranularity::head, {150, 31}, seed++),
+      odd_case(Format::fp8_e4m3, Layout::B2NHD, 16, 128, 2, 2, true, 2, 64, QMode::fp8, PMode::fp32,
+               ScaleGranularity::channel, {211, 2}, seed++),
   };
   const Tally tally = run_all(cases, EmulatedKernels(kHopperSmem));
   EXPECT_EQ(tally.tensor_core, int(cases.size()));
+  for (int count : tally.layouts) EXPECT_GE(count, 3);  // every layout, several formats
 }
 
 // Which body a launch gets (decode_config.h): the tensor-core one only where its conditions
@@ -279,6 +300,46 @@ TEST(CudaEmulated, BodyChoice) {
   EXPECT_EQ(reason(Format::fp8_e4m3, 256, 4, PMode::fp32), "");
   EXPECT_EQ(reason(Format::nvfp4, 128, 4, PMode::fp32, 8), "");  // 72-byte rows: 8 is enough
   EXPECT_EQ(reason(Format::fp8_e4m3, 128, 4, PMode::fp32, 8), "rows are not aligned enough");
+}
+
+// The same cases of up to 4 query rows under each layout limit (MJOLNIR_CUDA_MMA_LAYOUT): each
+// layout on its own matches the emulator, so a layout that fails on a device can be told apart.
+TEST(CudaEmulated, EveryLayoutOnTheSameCases) {
+  std::uint64_t seed = testing::test_seed() + 13;
+  const std::vector<verify::Case> cases = {
+      odd_case(Format::fp8_e4m3, Layout::B2NHD, 16, 128, 4, 1, true, 2, 64, QMode::fp32,
+               PMode::fp32, ScaleGranularity::head, {190, 21}, seed++),
+      odd_case(Format::fp16, Layout::BNH2D, 8, 64, 2, 2, false, 1, 32, QMode::fp32, PMode::fp32,
+               ScaleGranularity::channel, {70, 3}, seed++),
+      odd_case(Format::fp6_e2m3, Layout::B2HND, 16, 256, 3, 1, true, 2, 48, QMode::bf16,
+               PMode::fp32, ScaleGranularity::tensor, {120, 0, 9}, seed++),
+      odd_case(Format::nvfp4, Layout::_2BNHD, 32, 128, 1, 4, true, 3, 64, QMode::fp8, PMode::fp32,
+               ScaleGranularity::channel, {230, 17}, seed++),
+  };
+  for (const MmaLayout limit : {MmaLayout::plain, MmaLayout::stacked, MmaLayout::tokens_on_m}) {
+    SCOPED_TRACE("layout limit " + std::to_string(int(limit)));
+    const Tally tally = run_all(cases, EmulatedKernels(kHopperSmem, 0, limit));
+    EXPECT_EQ(tally.layouts[int(limit)], int(cases.size()));
+  }
+}
+
+// Which layout the tensor-core body takes: f16 operands with at most 8 (stacked) or 4 (tokens on
+// M) rows, never beyond the limit.
+TEST(CudaEmulated, LayoutChoice) {
+  using enum MmaLayout;
+  for (Format f : kAllFormats) {
+    SCOPED_TRACE(std::string(to_string(f)));
+    const bool f16 = f != Format::bf16;
+    EXPECT_EQ(mma_layout(f, 1), f16 ? tokens_on_m : plain);
+    EXPECT_EQ(mma_layout(f, 4), f16 ? tokens_on_m : plain);
+    EXPECT_EQ(mma_layout(f, 5), f16 ? stacked : plain);
+    EXPECT_EQ(mma_layout(f, 8), f16 ? stacked : plain);
+    EXPECT_EQ(mma_layout(f, 9), plain);
+    EXPECT_EQ(mma_layout(f, 16), plain);
+    EXPECT_EQ(mma_layout(f, 4, stacked), f16 ? stacked : plain);
+    EXPECT_EQ(mma_layout(f, 4, plain), plain);
+    EXPECT_EQ(mma_layout(f, 8, tokens_on_m), f16 ? stacked : plain);
+  }
 }
 
 // A device with less shared memory: the query rows no longer fit one pass.

@@ -4,7 +4,8 @@
 //
 // One CPU thread per CUDA thread of a CTA (a persistent pool), CTAs one after another:
 // __syncthreads is a barrier of the CTA's threads, __syncwarp a barrier of the warp's 32, and
-// __shfl_xor_sync trades values through a per-warp array between two warp barriers. The
+// __shfl_sync and __shfl_xor_sync trade values through a per-warp array between two warp
+// barriers. The
 // arithmetic intrinsics are the plain IEEE operations (the test builds without FMA contraction),
 // cp.async falls back to plain copies (kernels guard the PTX with __CUDA_ARCH__). What this
 // cannot show: real concurrency between warps beyond the barriers, cp.async itself, the device's
@@ -125,14 +126,18 @@ inline void __syncthreads() { ::mjolnir::cuda::emulation::cta->block.arrive_and_
 inline void __syncwarp(unsigned = 0xffffffffu) {
   ::mjolnir::cuda::emulation::cta->warps[threadIdx.x / 32]->arrive_and_wait();
 }
-inline float __shfl_xor_sync(unsigned, float x, int lane_mask, int = 32) {
+// Lane `source_lane` of the warp's x (width 32, the only one the kernels use).
+inline float __shfl_sync(unsigned, float x, int source_lane, int = 32) {
   auto& state = *::mjolnir::cuda::emulation::cta;
   const unsigned t = threadIdx.x, warp = t / 32;
   state.shuffle[t] = x;
   state.warps[warp]->arrive_and_wait();
-  const float y = state.shuffle[warp * 32 + ((t % 32) ^ unsigned(lane_mask))];
+  const float y = state.shuffle[warp * 32 + unsigned(source_lane) % 32];
   state.warps[warp]->arrive_and_wait();
   return y;
+}
+inline float __shfl_xor_sync(unsigned mask, float x, int lane_mask, int width = 32) {
+  return __shfl_sync(mask, x, int((threadIdx.x % 32) ^ unsigned(lane_mask)), width);
 }
 namespace mjolnir::cuda::emulation {
 // Every lane of the warp publishes `mine` and receives all 32 lanes' values, between two warp

@@ -10,6 +10,7 @@
 
 #include "cuda/cuda_check.h"
 #include "cuda/cuda_decode.h"
+#include "cuda/decode_config.h"
 #include "cuda/decode_launch.h"
 #include "cuda/kv_codec.cuh"
 #include "mjolnir/error.h"
@@ -281,9 +282,13 @@ BenchResult bench_decode(const BenchSpec& spec) {
   make_plan(plan, seq_lens, spec.q_len, spec.num_kv_heads, options);
   result.num_items = plan.num_items;
   const int rows = spec.q_len * (spec.num_q_heads / spec.num_kv_heads);
-  result.body = chosen_body(args) == DecodeBody::exact_order ? "exact_order"
-                : mma_stacked_terms(geometry.format, rows)   ? "tensor_core_stacked"
-                                                             : "tensor_core";
+  if (chosen_body(args) == DecodeBody::exact_order) {
+    result.body = "exact_order";
+  } else {
+    constexpr const char* kLayoutNames[] = {"tensor_core", "tensor_core_stacked",
+                                            "tensor_core_tokens_on_m"};
+    result.body = kLayoutNames[int(mma_layout(geometry.format, rows, mma_layout_limit_from_env()))];
+  }
   DecodeStep step(capacity);
   DeviceMemory workspace(decode_workspace_bytes(capacity, geometry, args.params));
   const std::span<std::byte> workspace_span(

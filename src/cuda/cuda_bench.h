@@ -44,7 +44,9 @@ struct BenchResult {
   int num_items = 0;  // work items of the plan (CTAs that do work)
   double gbps = 0;    // kv_bytes / median time
   std::string device;
-  std::string body;  // the decode CTA body: "tensor_core", "tensor_core_stacked" or "exact_order"
+  // The decode CTA body: "exact_order", or "tensor_core" with its MmaLayout ("_stacked",
+  // "_tokens_on_m").
+  std::string body;
 };
 
 // Builds a cache of spec.batch sequences of spec.context tokens on the device (pseudo-random

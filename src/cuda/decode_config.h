@@ -6,8 +6,10 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <span>
 #include <string>
+#include <string_view>
 
 #include "cuda/decode_params.h"
 #include "mjolnir/decode.h"
@@ -106,16 +108,34 @@ inline int pass_rows_for(int rows, const DecodeKernelParams& p, std::size_t limi
   return fit;
 }
 
+// The layout limit set by the environment variable MJOLNIR_CUDA_MMA_LAYOUT: "plain", "stacked"
+// or "tokens_on_m" (the default, no limit), read once. A switch for comparing the layouts on a
+// device, and a way back to the plain one should another misbehave there.
+inline MmaLayout mma_layout_limit_from_env() {
+  static const MmaLayout limit = [] {
+    const char* value = std::getenv("MJOLNIR_CUDA_MMA_LAYOUT");
+    const std::string_view name = value != nullptr ? value : "";
+    if (name.empty() || name == "tokens_on_m") return MmaLayout::tokens_on_m;
+    if (name == "stacked") return MmaLayout::stacked;
+    MJOLNIR_REQUIRE(name == "plain", "MJOLNIR_CUDA_MMA_LAYOUT: '", name,
+                    "' is not plain, stacked or tokens_on_m");
+    return MmaLayout::plain;
+  }();
+  return limit;
+}
+
 // The kernel parameters of one launch: pointers and shapes from `args` (cache.data, q, o, lse
 // as the kernels will dereference them), the device scales, the step buffer and the workspace;
 // the configuration for a device allowing `max_smem_per_block` bytes of shared memory per CTA,
 // of compute capability `compute_capability` (major * 10 + minor): the tensor-core body where
-// tensor_core_unsupported() allows it, the exact-order body otherwise. Throws Error when the
-// workspace is too small or not even one query row fits.
+// tensor_core_unsupported() allows it, in mma_layout(format, rows, layout_limit), the
+// exact-order body otherwise. Throws Error when the workspace is too small or not even one query
+// row fits.
 inline DecodeConfig make_decode_config(const DecodeArgs& args, const float* k_scale,
                                        const float* v_scale, const std::byte* step_device,
                                        std::span<std::byte> workspace, const LaunchShape& shape,
-                                       std::size_t max_smem_per_block, int compute_capability) {
+                                       std::size_t max_smem_per_block, int compute_capability,
+                                       MmaLayout layout_limit = mma_layout_limit_from_env()) {
   const KvCacheView& cache = args.cache;
   const CacheGeometry& geo = cache.geometry;
   const DecodeParams& params = args.params;
@@ -176,6 +196,7 @@ inline DecodeConfig make_decode_config(const DecodeArgs& args, const float* k_sc
           .empty()) {
     config.body = DecodeBody::tensor_core;
     config.smem_bytes = mma_smem(geo.head_dim).bytes;
+    p.mma_layout = static_cast<int>(mma_layout(geo.format, p.rows, layout_limit));
   }
   return config;
 }

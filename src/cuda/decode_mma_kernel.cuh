@@ -1,7 +1,13 @@
-// The tensor-core decode body: one CTA of four warps per work item, the item's (q_len * g <= 16)
-// query rows on the M dimension of mma.sync m16n8k16, KV tokens on N (scores) and K (P.V); up to
-// 8 rows, each row's two f16 operand terms take M rows r and r + 8 (consume_stacked_step). Each
-// warp walks every fourth 16-token step of the item's range with its own online-softmax state;
+// The tensor-core decode body: one CTA of four warps per work item on mma.sync m16n8k16, in one
+// of three layouts (MmaLayout, chosen per launch by mma_layout()):
+//   - plain: the item's (q_len * g <= 16) query rows on M, KV tokens on N (scores) and K (P.V),
+//     one MMA per operand term (consume_step);
+//   - stacked (<= 8 rows, f16 operands): row r's two operand terms on M rows r and r + 8, half
+//     the MMAs (consume_stacked_step);
+//   - tokens on M (<= 4 rows, f16 operands): S^T = K Q^T and O^T += V^T P^T, 16 tokens or
+//     channels on M and each row's two terms on N, a quarter of the MMAs
+//     (consume_tokens_on_m_step).
+// Each warp walks every fourth 16-token step of the item's range with its own online-softmax state;
 // the four states are merged through shared memory at the end (the split-KV merge, in-CTA).
 //
 // The K and V codes go from global memory straight into registers (8- or 16-byte loads) and are
@@ -42,8 +48,9 @@ class MmaDecodeCta : DecodeItem {
   static constexpr bool kNibbles = kBits == 4;     // fp4_e2m1, nvfp4
   static constexpr bool kSixBit = kBits == 6;      // fp6_e2m3, fp6_e3m2: 4 codes in 3 bytes
   static constexpr bool kBlockScaled = kFormat == Format::nvfp4;
-  static constexpr int kKSteps = kHeadDim / 16;                  // k-steps of the QK product
-  static constexpr int kNBlocks = kHeadDim / 8;                  // n-blocks of the O tile
+  static constexpr int kKSteps = kHeadDim / 16;  // k-steps of the QK product
+  static constexpr int kNBlocks = kHeadDim / 8;  // n-blocks of the O tile
+  static constexpr int kMTiles = kHeadDim / 16;  // M tiles of O^T (tokens_on_m), in o[0..)
   static constexpr int kKSliceBytes = kHeadDim / 4 * kBits / 8;  // a lane's K slice: D/4 channels
   static constexpr int kVSliceBytes = kHeadDim / 8 * kBits / 8;  // a lane's V slice: D/8 channels
   static constexpr int kKWords = kKSliceBytes / 4;
@@ -84,10 +91,16 @@ class MmaDecodeCta : DecodeItem {
   __device__ void run() {
     prepare_query();
     WarpState state;
-    if (stacked_) {
-      walk<true>(state);
-    } else {
-      walk<false>(state);
+    switch (layout_) {
+      case MmaLayout::plain:
+        walk<MmaLayout::plain>(state);
+        break;
+      case MmaLayout::stacked:
+        walk<MmaLayout::stacked>(state);
+        break;
+      case MmaLayout::tokens_on_m:
+        walk<MmaLayout::tokens_on_m>(state);
+        break;
     }
     merge_and_write(state);
   }
@@ -144,19 +157,29 @@ class MmaDecodeCta : DecodeItem {
     // fp8 Q codes are exact in either operand type, bf16 Q too (f16 keeps 11 bits); fp32 Q
     // needs every term.
     q_terms_ = static_cast<QMode>(p_.q_mode) == QMode::fp32 ? kTerms : 1;
-    stacked_ = mma_stacked_terms(kFormat, p_.rows);
-    static_assert(kType == MmaType::f16 || !mma_stacked_terms(kFormat, 1));  // two terms
+    // The host's choice, never beyond what the rows and operand type allow.
+    layout_ = mma_layout(kFormat, p_.rows, static_cast<MmaLayout>(p_.mma_layout));
+    static_assert(kType == MmaType::f16 || mma_layout(kFormat, 1) == MmaLayout::plain);
     for (int e = threadIdx.x; e < kKSteps * 32; e += kThreads) {
       const int j = e / 32, l = e - j * 32, gid = l >> 2, tid = l & 3;
       const int c = k_step_channel(tid, j);
       const float* row0 = q_values_ + gid * kHeadDim + c;
       const float* row1 = row0 + 8 * kHeadDim;
-      if (stacked_) {  // row gid's term 0 in M row gid, its term 1 in M row gid + 8
+      if (layout_ == MmaLayout::stacked) {  // row gid's terms 0, 1 in M rows gid, gid + 8
         std::uint32_t low[2], high[2];
         split2<kType, 2>(row0[0] * q_scale, row0[1] * q_scale, low);
         split2<kType, 2>(row0[2] * q_scale, row0[3] * q_scale, high);
         std::uint32_t* to = q_frags_ + (j * 32 + l) * 4;
         to[0] = low[0], to[1] = low[1], to[2] = high[0], to[3] = high[1];
+        continue;
+      }
+      if (layout_ == MmaLayout::tokens_on_m) {  // B fragments: N column gid is row gid / 2's
+        const float* row = q_values_ + (gid >> 1) * kHeadDim + c;  // term gid % 2
+        std::uint32_t low[2], high[2];
+        split2<kType, 2>(row[0] * q_scale, row[1] * q_scale, low);
+        split2<kType, 2>(row[2] * q_scale, row[3] * q_scale, high);
+        std::uint32_t* to = q_frags_ + (j * 32 + l) * 4;
+        to[0] = low[gid & 1], to[1] = high[gid & 1];
         continue;
       }
       std::uint32_t regs[4][kTerms];
@@ -338,7 +361,7 @@ class MmaDecodeCta : DecodeItem {
   // Each warp takes every fourth step. With kPrefetch, the next step's rows are loaded before
   // this one is computed, so twice the bytes are in flight per warp (fp8 rows are half as wide
   // as 16-bit ones, and their registers allow it).
-  template <bool kStacked>
+  template <MmaLayout kLayout>
   __device__ void walk(WarpState& s) const {
     const int warp = threadIdx.x >> 5, gid = lane() >> 2;
     for (int n = 0; n < kNBlocks; ++n) {
@@ -348,15 +371,18 @@ class MmaDecodeCta : DecodeItem {
     // for rows past q_len * g.
     int visible[2];
     for (int ri = 0; ri < 2; ++ri) {
-      const int r = gid + 8 * ri;
+      // tokens_on_m: the lane's one row is tid (its N columns 2tid, 2tid + 1).
+      const int r =
+          kLayout == MmaLayout::tokens_on_m ? (ri == 0 ? (lane() & 3) : kMmaRows) : gid + 8 * ri;
       s.m[ri] = -INFINITY;
       s.l[ri] = 0.0f;
       const int last = p_.causal ? seq_len_ - p_.q_len + r / p_.group : seq_len_ - 1;
       visible[ri] = r < p_.rows ? min(last, item_.kv_end - 1) : -1;
     }
-    // kStacked: the lane's one query row gid takes M rows gid and gid + 8 (stacked_).
     const auto consume = [&](int step_first, const StepData& data) {
-      if constexpr (kStacked) {
+      if constexpr (kLayout == MmaLayout::tokens_on_m) {
+        consume_tokens_on_m_step(step_first, data, visible[0], s);
+      } else if constexpr (kLayout == MmaLayout::stacked) {
         consume_stacked_step(step_first, data, visible[0], s);
       } else {
         consume_step(step_first, data, visible, s);
@@ -525,12 +551,75 @@ class MmaDecodeCta : DecodeItem {
     }
   }
 
-  // The four warps' states merged per row (the LSE merge of step 6 inside the CTA), then
-  // step 5: o = acc * v_scale / l, lse = (m + log2 l) * ln 2; rows that saw nothing: O = 0,
-  // LSE = -inf.
-  __device__ void merge_and_write(WarpState& s) {
+  // consume_step with tokens on M (q_len * g <= 4, two f16 terms): S^T = K Q^T with the step's
+  // 16 tokens on M and N column 2r + t holding term t of query row r, then O^T += V^T P^T with
+  // 16 channels on M, the tokens on K and the same N columns. Every lane of a quad-column tid
+  // works for row tid. Per 16-token step: D/16 MMAs for the scores and D/16 for the values, a
+  // quarter of the plain layout's. K and V are the same registers as in the other layouts, in
+  // the A operand's places: K tokens gid and gid + 8 as its rows, and V's token pairs at channel
+  // gid * D/8 + n as rows gid (n = 2mt) and gid + 8 (n = 2mt + 1) of M tile mt.
+  __device__ void consume_tokens_on_m_step(int first, const StepData& data, int visible,
+                                           WarpState& s) const {
+    const int gid = lane() >> 2, tid = lane() & 3;
+    // Two accumulator chains (even and odd k-steps) halve the chain of dependent MMAs.
+    float acc[2][4] = {};
+    for (int j = 0; j < kKSteps; ++j) {
+      std::uint32_t k0[2], k1[2];
+      k_operand(data.k[0], data.k_scales[0], j, k0[0], k0[1]);  // token gid
+      k_operand(data.k[1], data.k_scales[1], j, k1[0], k1[1]);  // token gid + 8
+      const std::uint32_t a[4] = {k0[0], k1[0], k0[1], k1[1]};
+      const std::uint32_t* q = q_frags_ + (j * 32 + lane()) * 4;
+      mma_16816<kType>(acc[j & 1], a, q[0], q[1]);
+    }
+    // Lane (gid, tid): tokens gid (c0 term 0, c1 term 1) and gid + 8 (c2, c3) of row tid.
+    float score[2];
+    float row_max = -INFINITY;
+    for (int half = 0; half < 2; ++half) {
+      const int position = first + 8 * half + gid;
+      const float x =
+          (acc[0][2 * half] + acc[1][2 * half]) + (acc[0][2 * half + 1] + acc[1][2 * half + 1]);
+      score[half] = position <= visible ? x * score_scale_ : -INFINITY;
+      row_max = fmaxf(row_max, score[half]);
+    }
+    for (int mask = 4; mask < 32; mask <<= 1) {
+      row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, mask));
+    }
+    const float m_new = fmaxf(s.m[0], row_max);
+    for (float& x : score) x = m_new == -INFINITY ? 0.0f : exp2f(x - m_new);
+    const float alpha = m_new == -INFINITY ? 1.0f : exp2f(s.m[0] - m_new);
+    s.l[0] = s.l[0] * alpha + (score[0] + score[1]);  // the lane's share; summed at the end
+    s.m[0] = m_new;
+    if (__any_sync(0xffffffffu, alpha != 1.0f)) {
+      for (int mt = 0; mt < kMTiles; ++mt) {
+        for (int i = 0; i < 4; ++i) s.o[mt][i] *= alpha;
+      }
+    }
+
+    // P^T's B fragment: tokens (2tid, 2tid + 1) in b0 and (2tid + 8, 2tid + 9) in b1, of N
+    // column gid (term gid % 2 of row gid / 2), gathered from the lanes holding those tokens.
+    const int from = 8 * tid + (gid >> 1);  // lane (2tid, row gid / 2); + 4: token 2tid + 1
+    const float p00 = __shfl_sync(0xffffffffu, score[0], from);
+    const float p01 = __shfl_sync(0xffffffffu, score[0], from + 4);
+    const float p10 = __shfl_sync(0xffffffffu, score[1], from);
+    const float p11 = __shfl_sync(0xffffffffu, score[1], from + 4);
+    std::uint32_t low[2], high[2];
+    split2<kType, 2>(p00, p01, low);
+    split2<kType, 2>(p10, p11, high);
+    const std::uint32_t b0 = low[gid & 1], b1 = high[gid & 1];
+    for (int mt = 0; mt < kMTiles; ++mt) {
+      const std::uint32_t a[4] = {v_operand(data.v[0], data.v[1], data.v_scales[0], 2 * mt),
+                                  v_operand(data.v[0], data.v[1], data.v_scales[0], 2 * mt + 1),
+                                  v_operand(data.v[2], data.v[3], data.v_scales[1], 2 * mt),
+                                  v_operand(data.v[2], data.v[3], data.v_scales[1], 2 * mt + 1)};
+      mma_16816<kType>(s.o[mt], a, b0, b1);
+    }
+  }
+
+  // A warp's state into the merge buffers: merge_o_ [warp][row][channel], merge_m_ and merge_l_
+  // [warp][row]. The layouts with query rows on M (plain, stacked).
+  __device__ void publish_rows_on_m(WarpState& s) {
     const int warp = threadIdx.x >> 5, gid = lane() >> 2, tid = lane() & 3;
-    if (stacked_) {  // M row gid + 8 held the second term of row gid's P
+    if (layout_ == MmaLayout::stacked) {  // M row gid + 8 held the second term of row gid's P
       for (int n = 0; n < kNBlocks; ++n) {
         s.o[n][0] += s.o[n][2];
         s.o[n][1] += s.o[n][3];
@@ -554,6 +643,36 @@ class MmaDecodeCta : DecodeItem {
         merge_m_[warp * kMmaRows + gid + 8 * ri] = s.m[ri];
         merge_l_[warp * kMmaRows + gid + 8 * ri] = s.l[ri];
       }
+    }
+  }
+
+  // publish_rows_on_m for tokens on M: lane (gid, tid) holds row tid's terms (c0 + c1 at
+  // channel gid * D/8 + 2mt, c2 + c3 at the next one) and its share of row tid's sum.
+  __device__ void publish_tokens_on_m(WarpState& s) {
+    const int warp = threadIdx.x >> 5, gid = lane() >> 2, tid = lane() & 3;
+    for (int mask = 4; mask < 32; mask <<= 1) {
+      s.l[0] += __shfl_xor_sync(0xffffffffu, s.l[0], mask);
+    }
+    __syncthreads();  // the merge buffers alias Q's, which every warp has finished reading
+    float* o = merge_o_ + (warp * kMmaRows + tid) * kHeadDim + gid * (kHeadDim / 8);
+    for (int mt = 0; mt < kMTiles; ++mt) {
+      o[2 * mt] = s.o[mt][0] + s.o[mt][1];
+      o[2 * mt + 1] = s.o[mt][2] + s.o[mt][3];
+    }
+    if (gid == 0) {
+      merge_m_[warp * kMmaRows + tid] = s.m[0];
+      merge_l_[warp * kMmaRows + tid] = s.l[0];
+    }
+  }
+
+  // The four warps' states merged per row (the LSE merge of step 6 inside the CTA), then
+  // step 5: o = acc * v_scale / l, lse = (m + log2 l) * ln 2; rows that saw nothing: O = 0,
+  // LSE = -inf.
+  __device__ void merge_and_write(WarpState& s) {
+    if (layout_ == MmaLayout::tokens_on_m) {
+      publish_tokens_on_m(s);
+    } else {
+      publish_rows_on_m(s);
     }
     __syncthreads();
     // Per row: the warps' weights exp2(m_w - M) / L, kept in row_weight_.
@@ -589,13 +708,14 @@ class MmaDecodeCta : DecodeItem {
   float* reduce_ = nullptr;
   float score_scale_ = 0.0f;
   int q_terms_ = 1;
-  bool stacked_ = false;  // q_len * g <= 8 with two operand terms: see consume_stacked_step
+  MmaLayout layout_ = MmaLayout::plain;  // mma_layout(): which consume_*_step walks the item
 };
 
-// One CTA per work item of a fixed grid, as decode_kernel. At D <= 128, three CTAs per SM: left
-// free, ptxas gives the stacked-terms variant more registers (192 at fp8 D 128), which fits only
-// two CTAs, a third fewer loads in flight; capped, it needs no spills (168). At D 256 it would
-// spill.
+// One CTA per work item of a fixed grid, as decode_kernel. At D <= 128, three CTAs per SM, as
+// the first (plain-only) kernel measured on an H200 had: left free, ptxas gives the three-layout
+// kernel more registers (192 at fp8 D 128), which fits only two CTAs, a third fewer loads in
+// flight; capped at 168 it spills 4 bytes at fp8 D 128 and nothing elsewhere. At D 256 the cap
+// would spill hundreds of bytes.
 template <Format kFormat, int kHeadDim>
 __global__ void __launch_bounds__(kMmaThreads, kHeadDim <= 128 ? 3 : 1)
     decode_mma_kernel(const DecodeKernelParams p) {

@@ -71,6 +71,7 @@ struct DecodeKernelParams {
   int score_stride = 0;    // floats per row of the score tile: the largest tile supported
   int raw_row_stride = 0;  // bytes per staged raw row (row_bytes rounded up to 16)
   int copy_bytes = 0;      // 16, 8, 4 (cp.async) or 1 (plain loads) per staged chunk
+  int mma_layout = 0;      // MmaLayout of the tensor-core body (make_decode_config)
 };
 
 inline constexpr int kDecodeThreads = 256;
@@ -132,11 +133,25 @@ MJOLNIR_HOST_DEVICE constexpr int mma_row_alignment(Format format) {
   return format == Format::fp4_e2m1 || format == Format::nvfp4 ? 8 : 16;
 }
 
-// Whether the tensor-core body stacks each query row's two operand terms on M rows r and r + 8
-// (decode_mma_kernel.cuh, consume_stacked_step): f16 operands (every format but bf16, whose
-// three bf16 terms would not fit) and at most 8 query rows (q_len * g).
-MJOLNIR_HOST_DEVICE constexpr bool mma_stacked_terms(Format format, int rows) {
-  return format != Format::bf16 && rows <= kMmaRows / 2;
+// How the tensor-core body lays a work item out on mma.sync m16n8k16 (decode_mma_kernel.cuh).
+// With f16 operands (every format but bf16, whose three bf16 terms would not fit) and few query
+// rows, the M rows that the plain layout leaves empty carry the second operand term instead:
+enum class MmaLayout {
+  plain,        // query rows on M (up to 16), tokens on N / K; one MMA per operand term
+  stacked,      // <= 8 rows: row r's two terms on M rows r and r + 8 (consume_stacked_step)
+  tokens_on_m,  // <= 4 rows: 16 tokens (QK) or channels (PV) on M, each row's two terms on N
+};
+
+MJOLNIR_HOST_DEVICE constexpr MmaLayout mma_layout(Format format, int rows) {
+  if (format == Format::bf16 || rows > kMmaRows / 2) return MmaLayout::plain;
+  return rows <= kMmaRows / 4 ? MmaLayout::tokens_on_m : MmaLayout::stacked;
+}
+
+// mma_layout(), or `limit` where that comes first in the order plain, stacked, tokens_on_m
+// (every layout serves the rows of the ones after it).
+MJOLNIR_HOST_DEVICE constexpr MmaLayout mma_layout(Format format, int rows, MmaLayout limit) {
+  const MmaLayout best = mma_layout(format, rows);
+  return static_cast<int>(limit) < static_cast<int>(best) ? limit : best;
 }
 
 // Shared memory of one tensor-core CTA, byte offsets. Q's prepared rows and fragments are read
