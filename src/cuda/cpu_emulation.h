@@ -5,11 +5,10 @@
 // One CPU thread per CUDA thread of a CTA (a persistent pool), CTAs one after another:
 // __syncthreads is a barrier of the CTA's threads, __syncwarp a barrier of the warp's 32, and
 // __shfl_sync and __shfl_xor_sync trade values through a per-warp array between two warp
-// barriers. The
-// arithmetic intrinsics are the plain IEEE operations (the test builds without FMA contraction),
-// cp.async falls back to plain copies (kernels guard the PTX with __CUDA_ARCH__). What this
-// cannot show: real concurrency between warps beyond the barriers, cp.async itself, the device's
-// libm, and resource limits.
+// barriers. The arithmetic intrinsics are the plain IEEE operations (the test builds without FMA
+// contraction), cp.async falls back to plain copies (kernels guard the PTX with __CUDA_ARCH__).
+// What this cannot show: real concurrency between warps beyond the barriers, cp.async itself, the
+// device's libm, and resource limits.
 #pragma once
 
 #include <algorithm>
