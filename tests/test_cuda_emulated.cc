@@ -21,6 +21,7 @@
 #include "cuda/decode_config.h"
 #include "cuda/decode_kernel.cuh"
 #include "cuda/decode_mma_kernel.cuh"
+#include "cuda/format_dispatch.h"
 #include "cuda/step_layout.h"
 #include "cuda/write_kv_kernel.cuh"
 #include "mjolnir/write_kv.h"
@@ -37,28 +38,6 @@ constexpr int kHopper = 90;
 emulation::CtaRunner& runner() {
   static emulation::CtaRunner pool(kDecodeThreads);
   return pool;
-}
-
-template <typename Visit>
-void with_format(Format format, Visit&& visit) {
-  switch (format) {
-    case Format::bf16:
-      return visit.template operator()<Format::bf16>();
-    case Format::fp16:
-      return visit.template operator()<Format::fp16>();
-    case Format::fp8_e4m3:
-      return visit.template operator()<Format::fp8_e4m3>();
-    case Format::fp8_e5m2:
-      return visit.template operator()<Format::fp8_e5m2>();
-    case Format::fp6_e2m3:
-      return visit.template operator()<Format::fp6_e2m3>();
-    case Format::fp6_e3m2:
-      return visit.template operator()<Format::fp6_e3m2>();
-    case Format::fp4_e2m1:
-      return visit.template operator()<Format::fp4_e2m1>();
-    case Format::nvfp4:
-      return visit.template operator()<Format::nvfp4>();
-  }
 }
 
 // The kernels behind the Backend interface, on host memory: the step buffer packed as

@@ -12,6 +12,7 @@
 #include "cuda/cuda_decode.h"
 #include "cuda/decode_config.h"
 #include "cuda/decode_launch.h"
+#include "cuda/format_dispatch.h"
 #include "cuda/kv_codec.cuh"
 #include "mjolnir/error.h"
 
@@ -62,32 +63,7 @@ __global__ void fill_kernel(const FillParams p) {
 
 void launch_fill(Format format, const FillParams& p, std::int64_t rows) {
   const auto grid = static_cast<unsigned>(rows);
-  switch (format) {
-    case Format::bf16:
-      fill_kernel<Format::bf16><<<grid, kFillThreads>>>(p);
-      break;
-    case Format::fp16:
-      fill_kernel<Format::fp16><<<grid, kFillThreads>>>(p);
-      break;
-    case Format::fp8_e4m3:
-      fill_kernel<Format::fp8_e4m3><<<grid, kFillThreads>>>(p);
-      break;
-    case Format::fp8_e5m2:
-      fill_kernel<Format::fp8_e5m2><<<grid, kFillThreads>>>(p);
-      break;
-    case Format::fp6_e2m3:
-      fill_kernel<Format::fp6_e2m3><<<grid, kFillThreads>>>(p);
-      break;
-    case Format::fp6_e3m2:
-      fill_kernel<Format::fp6_e3m2><<<grid, kFillThreads>>>(p);
-      break;
-    case Format::fp4_e2m1:
-      fill_kernel<Format::fp4_e2m1><<<grid, kFillThreads>>>(p);
-      break;
-    case Format::nvfp4:
-      fill_kernel<Format::nvfp4><<<grid, kFillThreads>>>(p);
-      break;
-  }
+  with_format(format, [&]<Format kFormat>() { fill_kernel<kFormat><<<grid, kFillThreads>>>(p); });
   MJOLNIR_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -44,29 +44,12 @@ void launch_mma(const DecodeKernelParams& p, std::size_t smem_bytes, const Launc
   launch_merge(p, shape, stream);
 }
 
-// The one place a runtime Format becomes a template constant. Every format of format.h has a
-// kernel; a value outside the enum fails here, naming itself.
+// The exact-order body for a runtime format (format_dispatch.h): every format of format.h has a
+// kernel.
 void launch_for_format(Format format, const DecodeKernelParams& p, std::size_t smem_bytes,
                        const LaunchShape& shape, cudaStream_t stream) {
-  switch (format) {
-    case Format::bf16:
-      return launch_format<Format::bf16>(p, smem_bytes, shape, stream);
-    case Format::fp16:
-      return launch_format<Format::fp16>(p, smem_bytes, shape, stream);
-    case Format::fp8_e4m3:
-      return launch_format<Format::fp8_e4m3>(p, smem_bytes, shape, stream);
-    case Format::fp8_e5m2:
-      return launch_format<Format::fp8_e5m2>(p, smem_bytes, shape, stream);
-    case Format::fp6_e2m3:
-      return launch_format<Format::fp6_e2m3>(p, smem_bytes, shape, stream);
-    case Format::fp6_e3m2:
-      return launch_format<Format::fp6_e3m2>(p, smem_bytes, shape, stream);
-    case Format::fp4_e2m1:
-      return launch_format<Format::fp4_e2m1>(p, smem_bytes, shape, stream);
-    case Format::nvfp4:
-      return launch_format<Format::nvfp4>(p, smem_bytes, shape, stream);
-  }
-  detail::throw_error("cuda: unsupported format value ", static_cast<int>(format));
+  with_format(format,
+              [&]<Format kFormat>() { launch_format<kFormat>(p, smem_bytes, shape, stream); });
 }
 
 // Lets every decode kernel use the device's opt-in shared memory. Done once per device when its

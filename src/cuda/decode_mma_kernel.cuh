@@ -28,6 +28,7 @@
 
 #include "cuda/decode_item.cuh"
 #include "cuda/decode_params.h"
+#include "cuda/format_dispatch.h"
 #include "cuda/kv_codec.cuh"
 #include "cuda/mma_fragments.cuh"
 #include "mjolnir/error.h"
@@ -408,6 +409,24 @@ class MmaDecodeCta : DecodeItem {
     }
   }
 
+  // One row's online-softmax update from the lane's scores of a step (scaled, -inf where masked)
+  // and the row's maximum over them: the scores become P = exp2(x - m_new), the lane's sum of
+  // them joins l, and the returned factor rescales the row's O (1 while the row has seen nothing,
+  // 0 at its first scores).
+  template <int kCount>
+  __device__ static float online_softmax(float (&x)[kCount], float row_max, float& m, float& l) {
+    const float m_new = fmaxf(m, row_max);
+    float sum = 0.0f;
+    for (float& v : x) {
+      v = m_new == -INFINITY ? 0.0f : exp2f(v - m_new);  // masked: exp2(-inf) = 0
+      sum += v;
+    }
+    const float alpha = m_new == -INFINITY ? 1.0f : exp2f(m - m_new);
+    l = l * alpha + sum;
+    m = m_new;
+    return alpha;
+  }
+
   // One step of 16 tokens: S = Q K^T, the online softmax, O += P V.
   __device__ void consume_step(int first, const StepData& data, const int (&visible)[2],
                                WarpState& s) const {
@@ -449,19 +468,11 @@ class MmaDecodeCta : DecodeItem {
       }
       row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 1));
       row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 2));
-      const float m_new = fmaxf(s.m[ri], row_max);
-      alpha[ri] = 1.0f;
-      float sum = 0.0f;
-      for (int kb = 0; kb < 2; ++kb) {
-        for (int i = 0; i < 2; ++i) {
-          float& x = score[kb][2 * ri + i];
-          x = m_new == -INFINITY ? 0.0f : exp2f(x - m_new);  // masked: exp2(-inf) = 0
-          sum += x;
-        }
-      }
-      if (m_new != -INFINITY) alpha[ri] = exp2f(s.m[ri] - m_new);  // 0 on the first scores
-      s.l[ri] = s.l[ri] * alpha[ri] + sum;
-      s.m[ri] = m_new;
+      float row[4] = {score[0][2 * ri], score[0][2 * ri + 1], score[1][2 * ri],
+                      score[1][2 * ri + 1]};
+      alpha[ri] = online_softmax(row, row_max, s.m[ri], s.l[ri]);
+      score[0][2 * ri] = row[0], score[0][2 * ri + 1] = row[1];
+      score[1][2 * ri] = row[2], score[1][2 * ri + 1] = row[3];
     }
     if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
       for (int n = 0; n < kNBlocks; ++n) {
@@ -508,30 +519,19 @@ class MmaDecodeCta : DecodeItem {
       mma_16816<kType>(acc[0], a, b[0][0], b[0][1]);
       mma_16816<kType>(acc[1], a, b[1][0], b[1][1]);
     }
-    float score[2][2];
+    float score[4];  // tokens 2tid, 2tid + 1 of n-block 0, then of n-block 1
     float row_max = -INFINITY;
     for (int kb = 0; kb < 2; ++kb) {
       for (int i = 0; i < 2; ++i) {
         const int position = first + kb * 8 + tid * 2 + i;
         const float x = acc[kb][i] + acc[kb][i + 2];
-        score[kb][i] = position <= visible ? x * score_scale_ : -INFINITY;
-        row_max = fmaxf(row_max, score[kb][i]);
+        score[2 * kb + i] = position <= visible ? x * score_scale_ : -INFINITY;
+        row_max = fmaxf(row_max, score[2 * kb + i]);
       }
     }
     row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 1));
     row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 2));
-    const float m_new = fmaxf(s.m[0], row_max);
-    float sum = 0.0f;
-    for (int kb = 0; kb < 2; ++kb) {
-      for (int i = 0; i < 2; ++i) {
-        float& x = score[kb][i];
-        x = m_new == -INFINITY ? 0.0f : exp2f(x - m_new);  // masked: exp2(-inf) = 0
-        sum += x;
-      }
-    }
-    const float alpha = m_new == -INFINITY ? 1.0f : exp2f(s.m[0] - m_new);
-    s.l[0] = s.l[0] * alpha + sum;
-    s.m[0] = m_new;
+    const float alpha = online_softmax(score, row_max, s.m[0], s.l[0]);
     if (__any_sync(0xffffffffu, alpha != 1.0f)) {
       for (int n = 0; n < kNBlocks; ++n) {
         for (int i = 0; i < 4; ++i) s.o[n][i] *= alpha;
@@ -541,8 +541,8 @@ class MmaDecodeCta : DecodeItem {
     // O += P V with P's two terms stacked as Q's were: a0 / a2 term 0 of tokens (2tid,
     // 2tid + 1) / (2tid + 8, 2tid + 9), a1 / a3 their term 1.
     std::uint32_t first_pair[2], second_pair[2];
-    split2<kType, 2>(score[0][0], score[0][1], first_pair);
-    split2<kType, 2>(score[1][0], score[1][1], second_pair);
+    split2<kType, 2>(score[0], score[1], first_pair);
+    split2<kType, 2>(score[2], score[3], second_pair);
     const std::uint32_t a[4] = {first_pair[0], first_pair[1], second_pair[0], second_pair[1]};
     for (int n = 0; n < kNBlocks; ++n) {
       const std::uint32_t b0 = v_operand(data.v[0], data.v[1], data.v_scales[0], n);
@@ -584,11 +584,8 @@ class MmaDecodeCta : DecodeItem {
     for (int mask = 4; mask < 32; mask <<= 1) {
       row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, mask));
     }
-    const float m_new = fmaxf(s.m[0], row_max);
-    for (float& x : score) x = m_new == -INFINITY ? 0.0f : exp2f(x - m_new);
-    const float alpha = m_new == -INFINITY ? 1.0f : exp2f(s.m[0] - m_new);
-    s.l[0] = s.l[0] * alpha + (score[0] + score[1]);  // the lane's share; summed at the end
-    s.m[0] = m_new;
+    // l: the lane's share of the row's sum; the lanes' shares are added in publish_tokens_on_m.
+    const float alpha = online_softmax(score, row_max, s.m[0], s.l[0]);
     if (__any_sync(0xffffffffu, alpha != 1.0f)) {
       for (int mt = 0; mt < kMTiles; ++mt) {
         for (int i = 0; i < 4; ++i) s.o[mt][i] *= alpha;
@@ -734,24 +731,7 @@ void with_mma_shape(Format format, int head_dim, Visit&& visit) {
     if (head_dim == 256) return visit.template operator()<kFormat, 256>();
     if constexpr (mma_shape(kFormat, 64)) return visit.template operator()<kFormat, 64>();
   };
-  switch (format) {
-    case Format::bf16:
-      return dim.template operator()<Format::bf16>();
-    case Format::fp16:
-      return dim.template operator()<Format::fp16>();
-    case Format::fp8_e4m3:
-      return dim.template operator()<Format::fp8_e4m3>();
-    case Format::fp8_e5m2:
-      return dim.template operator()<Format::fp8_e5m2>();
-    case Format::fp6_e2m3:
-      return dim.template operator()<Format::fp6_e2m3>();
-    case Format::fp6_e3m2:
-      return dim.template operator()<Format::fp6_e3m2>();
-    case Format::fp4_e2m1:
-      return dim.template operator()<Format::fp4_e2m1>();
-    case Format::nvfp4:
-      return dim.template operator()<Format::nvfp4>();
-  }
+  with_format(format, dim);
 }
 
 }  // namespace mjolnir::cuda

@@ -8,6 +8,7 @@
 
 #include "cuda/cuda_check.h"
 #include "cuda/cuda_decode.h"
+#include "cuda/format_dispatch.h"
 #include "cuda/write_kv_kernel.cuh"
 #include "mjolnir/error.h"
 
@@ -18,34 +19,9 @@ using namespace write_detail;
 namespace {
 
 void launch_write(Format format, const WriteParams& p, int num_tokens, cudaStream_t stream) {
-  switch (format) {
-    case Format::bf16:
-      write_kernel<Format::bf16><<<num_tokens, kWriteThreads, 0, stream>>>(p);
-      break;
-    case Format::fp16:
-      write_kernel<Format::fp16><<<num_tokens, kWriteThreads, 0, stream>>>(p);
-      break;
-    case Format::fp8_e4m3:
-      write_kernel<Format::fp8_e4m3><<<num_tokens, kWriteThreads, 0, stream>>>(p);
-      break;
-    case Format::fp8_e5m2:
-      write_kernel<Format::fp8_e5m2><<<num_tokens, kWriteThreads, 0, stream>>>(p);
-      break;
-    case Format::fp6_e2m3:
-      write_kernel<Format::fp6_e2m3><<<num_tokens, kWriteThreads, 0, stream>>>(p);
-      break;
-    case Format::fp6_e3m2:
-      write_kernel<Format::fp6_e3m2><<<num_tokens, kWriteThreads, 0, stream>>>(p);
-      break;
-    case Format::fp4_e2m1:
-      write_kernel<Format::fp4_e2m1><<<num_tokens, kWriteThreads, 0, stream>>>(p);
-      break;
-    case Format::nvfp4:
-      write_kernel<Format::nvfp4><<<num_tokens, kWriteThreads, 0, stream>>>(p);
-      break;
-    default:
-      detail::throw_error("cache.geometry.format: unsupported value ", int(format));
-  }
+  with_format(format, [&]<Format kFormat>() {
+    write_kernel<kFormat><<<num_tokens, kWriteThreads, 0, stream>>>(p);
+  });
   MJOLNIR_CUDA_CHECK(cudaGetLastError());
 }
 
