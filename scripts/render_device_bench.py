@@ -46,8 +46,13 @@ def key(r: dict) -> tuple:
 
 
 def default_settings(r: dict) -> bool:
-    """Whether a row ran the table's default Q mode and chunk cap (probes vary them)."""
-    return r.get("q_mode", "fp32") == "fp32" and r.get("max_splits", 16) == 16
+    """Whether a row ran the table's default Q mode and chunk cap (probes vary them): the cap
+    that fills the device (split_cap "fill", max_splits_to_fill), or 16 in files older than it."""
+    if "split_cap" in r:
+        default_cap = r["split_cap"] == "fill"
+    else:
+        default_cap = r.get("max_splits", 16) == 16
+    return r.get("q_mode", "fp32") == "fp32" and default_cap
 
 
 def render(cuda: dict, cuda_name: str, baseline: dict, baseline_name: str, before: dict, before_name: str) -> str:
@@ -61,7 +66,7 @@ def render(cuda: dict, cuda_name: str, baseline: dict, baseline_name: str, befor
         "Do not edit by hand.",
         "",
         "Decode step (decode + merge, replayed from a CUDA graph, caches rotated past the L2), Hk 8, "
-        "page 16, P fp32, Q fp32 and at most 16 chunks per sequence unless the row says otherwise. \"of copy\" is the KV bytes per second over the copy bandwidth; ✗ marks "
+        "page 16, P fp32, Q fp32 unless the row says otherwise; \"chunks\" is the plan's cap on chunks per sequence (max_splits). \"of copy\" is the KV bytes per second over the copy bandwidth; ✗ marks "
         "a missed target of the CUDA issue; \"exact-order\" is the same step on the exact-order body "
         "(the only body before the tensor-core one).",
         "",

@@ -64,7 +64,8 @@ class EmulatedKernels final : public Backend {
     pack_step(args.batch, plan, geo.page_size, step.data());
     LaunchShape shape;
     shape.decode_ctas = static_cast<int>(plan.items.size());
-    shape.merge_ctas = plan.capacity.max_seqs * geo.num_kv_heads;
+    shape.merge_ctas = plan.capacity.max_seqs * geo.num_kv_heads * plan.q_len *
+                       (args.params.num_q_heads / geo.num_kv_heads);
     shape.score_tokens = std::max(plan.tile_tokens, score_tokens_);
     shape.partial_slots = std::size_t(plan.capacity.max_seqs) * plan.capacity.max_splits;
     const DecodeConfig config =
@@ -319,6 +320,24 @@ TEST(CudaEmulated, LayoutChoice) {
     EXPECT_EQ(mma_layout(f, 4, plain), plain);
     EXPECT_EQ(mma_layout(f, 8, tokens_on_m), f16 ? stacked : plain);
   }
+}
+
+// Sequences cut into many chunks, as a GPU plan cuts them at batch 1 (about a hundred per KV
+// head): more chunks than merge threads (the strided max and sum), chunk counts that are not a
+// multiple of the merge warps, causal rows that cannot see the last chunks, D 64 to 256, both
+// bodies.
+TEST(CudaEmulated, ManySplits) {
+  std::uint64_t seed = testing::test_seed() + 17;
+  const std::vector<verify::Case> cases = {
+      odd_case(Format::fp8_e4m3, Layout::B2NHD, 16, 128, 4, 1, true, 133, 8, QMode::fp32,
+               PMode::fp32, ScaleGranularity::head, {1061, 300}, seed++),
+      odd_case(Format::bf16, Layout::BHN2D, 8, 64, 2, 3, true, 13, 16, QMode::bf16, PMode::bf16,
+               ScaleGranularity::channel, {213, 40}, seed++),
+      odd_case(Format::nvfp4, Layout::_2BHND, 16, 256, 1, 1, false, 70, 8, QMode::fp8, PMode::fp8,
+               ScaleGranularity::tensor, {600}, seed++),
+  };
+  const Tally tally = run_all(cases, EmulatedKernels(kHopperSmem));
+  EXPECT_EQ(tally.cases, int(cases.size()));
 }
 
 // A device with less shared memory: the query rows no longer fit one pass.

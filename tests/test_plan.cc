@@ -115,6 +115,34 @@ TEST(Plan, SplitsAreCapped) {
   EXPECT_EQ(plan.num_splits[0], 4);
 }
 
+// The cap that lets one long sequence fill a GPU: 132 SMs x 8 planned CTAs (an H200) over 8 KV
+// heads want 132 chunks; the default 16 would leave most SMs idle. Batches that fill the device
+// on their own, and CPUs, keep the default.
+TEST(Plan, MaxSplitsToFillOneWave) {
+  EXPECT_EQ(max_splits_to_fill(132 * 8, 1, 8), 132);
+  EXPECT_EQ(max_splits_to_fill(132 * 8, 4, 8), 33);
+  EXPECT_EQ(max_splits_to_fill(132 * 8, 16, 8), 16);
+  EXPECT_EQ(max_splits_to_fill(132 * 8, 64, 8), 16);
+  EXPECT_EQ(max_splits_to_fill(2, 1, 8), 16);
+  EXPECT_EQ(max_splits_to_fill(132 * 8, 0, 8), 132);  // an empty batch plans like one sequence
+
+  const int workers = 132 * 8, hk = 8;
+  const std::vector<std::int32_t> lens{32768};
+  PlanOptions options;
+  options.workers = workers;
+  options.max_splits = max_splits_to_fill(workers, 1, hk);
+  Plan plan(PlanCapacity{1, hk, options.max_splits});
+  make_plan(plan, lens, 1, hk, options);
+  expect_exact_cover(plan, lens, hk, options);
+  // min_chunk_tokens (256) stops it at 128 chunks: 1024 CTAs, against 128 with the default cap.
+  EXPECT_EQ(plan.num_splits[0], 128);
+  EXPECT_EQ(plan.num_items, 1024);
+
+  EXPECT_THROW(max_splits_to_fill(0, 1, 8), Error);
+  EXPECT_THROW(max_splits_to_fill(8, -1, 8), Error);
+  EXPECT_THROW(max_splits_to_fill(8, 1, 0), Error);
+}
+
 TEST(Plan, RejectsWhatDoesNotFit) {
   Plan plan(PlanCapacity{2, 4, 4});
   const std::vector<std::int32_t> three{10, 10, 10};

@@ -21,6 +21,7 @@
 #include "machine_info.h"
 #include "mjolnir/decode.h"
 #include "mjolnir/error.h"
+#include "mjolnir/plan.h"
 #include "verify/problem.h"
 
 namespace mjolnir::tools {
@@ -341,6 +342,11 @@ CLI::App* add_bench_command(CLI::App& app, BenchOptions& options) {
   cmd->add_option("--threads", options.threads, "CPU threads (0: every hardware thread)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
+  cmd->add_option("--max-splits", options.max_splits,
+                  "Cap on split-KV chunks per sequence (0: as many as fill the device at the "
+                  "batch, at least 16)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   cmd->add_option("--iterations", options.iterations,
                   "Timed runs per configuration (0: as many as fit in --min-time)")
       ->check(CLI::NonNegativeNumber)
@@ -427,7 +433,12 @@ int run_bench(const BenchOptions& options) {
           verify::ProblemSpec spec = base;
           spec.format = format;
           spec.seq_lens.assign(batch, context);
-          std::optional<Row> row = measure(*backend, on_gpu, spec, plan_options, timing, limit);
+          PlanOptions row_plan = plan_options;
+          row_plan.max_splits =
+              options.max_splits > 0
+                  ? options.max_splits
+                  : max_splits_to_fill(plan_options.workers, batch, series.heads.num_kv_heads);
+          std::optional<Row> row = measure(*backend, on_gpu, spec, row_plan, timing, limit);
           if (!row) continue;
           row->series = series.name;
           print_row(*row);

@@ -27,7 +27,8 @@ struct BenchOptions {
   std::string granularity = "head";
   std::string q_mode = "fp32";
   std::string p_mode = "fp32";
-  int threads = 0;  // 0: every hardware thread
+  int threads = 0;     // 0: every hardware thread
+  int max_splits = 0;  // plan cap on chunks per sequence; 0: max_splits_to_fill (plan.h)
   int iterations = 0;
   double min_time_s = 1.0;
   std::uint64_t seed = 1;

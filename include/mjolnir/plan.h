@@ -43,11 +43,11 @@ struct Plan {
   int tile_tokens = 64;
   int q_len = 1;
   int num_seqs = 0;
-  int num_items = 0;     // valid prefix of `items`
-  int num_partials = 0;  // partial slots in use: one per chunk of each split sequence
-  std::vector<WorkItem> items;          // [max_seqs * Hk * max_splits]
-  std::vector<std::int32_t> num_splits;       // [max_seqs]: 1 when not split
-  std::vector<std::int32_t> first_partial;    // [max_seqs]: slot of chunk 0, -1 when not split
+  int num_items = 0;            // valid prefix of `items`
+  int num_partials = 0;         // partial slots in use: one per chunk of each split sequence
+  std::vector<WorkItem> items;  // [max_seqs * Hk * max_splits]
+  std::vector<std::int32_t> num_splits;     // [max_seqs]: 1 when not split
+  std::vector<std::int32_t> first_partial;  // [max_seqs]: slot of chunk 0, -1 when not split
 
   explicit Plan(PlanCapacity cap = {});
   std::span<const WorkItem> work() const { return {items.data(), std::size_t(num_items)}; }
@@ -59,6 +59,15 @@ struct Plan {
 // when the step does not fit the plan's capacity or an argument is out of range.
 void make_plan(Plan& plan, std::span<const std::int32_t> seq_lens, int q_len, int num_kv_heads,
                const PlanOptions& options);
+
+// A max_splits (for PlanOptions and PlanCapacity) with which make_plan can fill one wave of
+// `workers` when `num_seqs` sequences of about equal length share the step: at least the
+// default 16, and ceil(workers / (num_seqs * Hk)). A CPU (workers = threads) never needs more
+// than 16; a GPU at batch 1 does: an H200 plans 132 SMs x 8 CTAs, so one sequence over 8 KV heads
+// needs 132 chunks to occupy it, and the default 16 leaves 128 CTAs on 132 SMs. Every chunk
+// costs a partial slot of workspace (max_seqs * max_splits slots are reserved), so size it for
+// the batches that are small.
+int max_splits_to_fill(int workers, int num_seqs, int num_kv_heads);
 
 // Where split partials live in a backend's workspace: for slot s, KV head h, query row r
 // (r = t * g + j for query token t and head j of the group), O at

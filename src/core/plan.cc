@@ -39,8 +39,8 @@ std::int64_t chunk_tokens_for_one_wave(std::span<const std::int32_t> seq_lens, i
 void make_plan(Plan& plan, std::span<const std::int32_t> seq_lens, int q_len, int num_kv_heads,
                const PlanOptions& options) {
   const int num_seqs = static_cast<int>(seq_lens.size());
-  MJOLNIR_REQUIRE(q_len >= 1 && q_len <= kMaxQLen, "q_len: ", q_len, " is outside [1, ",
-                  kMaxQLen, "]");
+  MJOLNIR_REQUIRE(q_len >= 1 && q_len <= kMaxQLen, "q_len: ", q_len, " is outside [1, ", kMaxQLen,
+                  "]");
   MJOLNIR_REQUIRE(options.workers >= 1, "plan options.workers: ", options.workers,
                   " must be at least 1");
   MJOLNIR_REQUIRE(options.tile_tokens >= 1 && options.tile_tokens <= 1024,
@@ -49,8 +49,9 @@ void make_plan(Plan& plan, std::span<const std::int32_t> seq_lens, int q_len, in
                   " must be at least 1");
   MJOLNIR_REQUIRE(options.fixed_splits >= 0, "plan options.fixed_splits: ", options.fixed_splits,
                   " is negative");
-  MJOLNIR_REQUIRE(options.min_chunk_tokens >= 1, "plan options.min_chunk_tokens: ",
-                  options.min_chunk_tokens, " must be at least 1");
+  MJOLNIR_REQUIRE(options.min_chunk_tokens >= 1,
+                  "plan options.min_chunk_tokens: ", options.min_chunk_tokens,
+                  " must be at least 1");
   MJOLNIR_REQUIRE(num_seqs <= plan.capacity.max_seqs, "seq_lens: ", num_seqs,
                   " sequences exceed the plan's capacity of ", plan.capacity.max_seqs);
   MJOLNIR_REQUIRE(num_kv_heads == plan.capacity.num_kv_heads, "num_kv_heads: ", num_kv_heads,
@@ -89,6 +90,14 @@ void make_plan(Plan& plan, std::span<const std::int32_t> seq_lens, int q_len, in
   }
   plan.num_items = items;
   plan.num_partials = partials;
+}
+
+int max_splits_to_fill(int workers, int num_seqs, int num_kv_heads) {
+  MJOLNIR_REQUIRE(workers >= 1, "workers: ", workers, " must be at least 1");
+  MJOLNIR_REQUIRE(num_seqs >= 0, "num_seqs: ", num_seqs, " is negative");
+  MJOLNIR_REQUIRE(num_kv_heads >= 1, "num_kv_heads: ", num_kv_heads, " must be at least 1");
+  const std::int64_t pairs = std::int64_t(std::max(num_seqs, 1)) * num_kv_heads;
+  return std::max(PlanOptions{}.max_splits, ceil_div(workers, pairs));
 }
 
 }  // namespace mjolnir

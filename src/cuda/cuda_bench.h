@@ -27,7 +27,7 @@ struct BenchSpec {
   QMode q_mode = QMode::fp32;
   PMode p_mode = PMode::fp32;
   int tile_tokens = 64;
-  int max_splits = 16;
+  int max_splits = 0;  // 0: max_splits_to_fill(the backend's workers, batch, Hk) (plan.h)
   // Cache copies are added until they hold this much and 4x the L2 (so steps read HBM, not L2).
   std::size_t min_working_set_bytes = std::size_t{1} << 30;
   int repeats = 7;           // timed batches; the median batch's mean step time is reported
@@ -41,8 +41,9 @@ struct BenchResult {
   std::size_t kv_bytes = 0;           // K and V bytes one step reads
   std::size_t working_set_bytes = 0;  // all cache copies the steps rotate over
   int copies = 0;
-  int num_items = 0;  // work items of the plan (CTAs that do work)
-  double gbps = 0;    // kv_bytes / median time
+  int num_items = 0;   // work items of the plan (CTAs that do work)
+  int max_splits = 0;  // the plan's cap on chunks per sequence (spec.max_splits, resolved)
+  double gbps = 0;     // kv_bytes / median time
   std::string device;
   // The decode CTA body: "exact_order", or "tensor_core" with its MmaLayout ("_stacked",
   // "_tokens_on_m").

@@ -64,9 +64,10 @@ struct StepCapacity {
   int max_pages_per_seq = 0;
   int max_tile_tokens = 128;
 
-  // Work items (and decode CTAs: the grid is fixed at this many) and merge CTAs.
+  // Work items (and decode CTAs: the grid is fixed at this many) and merge CTAs, one per query
+  // row (q_len * g of them per KV head).
   int max_items() const { return plan.max_seqs * plan.num_kv_heads * plan.max_splits; }
-  int max_merges() const { return plan.max_seqs * plan.num_kv_heads; }
+  int max_merges(int rows) const { return plan.max_seqs * plan.num_kv_heads * rows; }
   std::size_t device_bytes() const;  // of the step buffer
 };
 
@@ -113,11 +114,11 @@ std::size_t decode_workspace_bytes(const StepCapacity& capacity, const CacheGeom
 
 // Enqueues the decode kernel (one CTA per work item, a fixed grid of capacity.max_items() CTAs;
 // those past the uploaded plan's item count exit at once) and the LSE merge of split sequences
-// (a fixed grid of max_merges() CTAs) on `stream`. Capturable: no allocation, no host-device
-// copy, no synchronization. `args` gives the device pointers (cache.data, q, o, lse) and shapes;
-// its batch and cache.k_scale / v_scale are not read (the step buffer and `scales` are). q, o
-// and lse must hold capacity.plan.max_seqs * q_len token rows (lse: that many times Hq floats,
-// or empty); rows of sequences past the uploaded batch are not written.
+// (a fixed grid of max_merges(q_len * g) CTAs) on `stream`. Capturable: no allocation, no
+// host-device copy, no synchronization. `args` gives the device pointers (cache.data, q, o, lse)
+// and shapes; its batch and cache.k_scale / v_scale are not read (the step buffer and `scales`
+// are). q, o and lse must hold capacity.plan.max_seqs * q_len token rows (lse: that many times Hq
+// floats, or empty); rows of sequences past the uploaded batch are not written.
 void enqueue_decode(const DecodeArgs& args, const DeviceScales& scales, const DecodeStep& step,
                     std::span<std::byte> workspace, cudaStream_t stream);
 

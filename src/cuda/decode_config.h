@@ -20,7 +20,7 @@ namespace mjolnir::cuda {
 // What one launch covers, besides the arguments' pointers and shapes.
 struct LaunchShape {
   int decode_ctas = 0;   // the grid: plan capacity (graphs) or the plan's item count
-  int merge_ctas = 0;    // (sequence, KV head) pairs the merge grid covers
+  int merge_ctas = 0;    // (sequence, KV head, query row) triples the merge grid covers
   int score_tokens = 0;  // largest tile the launch must hold (shared memory is sized by it)
   std::size_t partial_slots = 0;  // slots the workspace holds (PartialLayout)
 };

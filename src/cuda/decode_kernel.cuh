@@ -370,71 +370,101 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_kernel(const DecodeKern
   run_work_item<DecodeCta<kFormat>>(p, smem);
 }
 
-// Channels of a row each merge thread owns: D <= 256.
-inline constexpr int kMergeChannelsPerThread = 256 / kMergeThreads;
-inline constexpr std::size_t kMergeSmemBytes = kMergeThreads * sizeof(float);
+inline constexpr int kMergeWarps = kMergeThreads / 32;
+// Channels of a row each lane owns: D <= 256.
+inline constexpr int kMergeChannelsPerLane = 256 / 32;
+// [kMergeWarps] floats for the reductions, then [kMergeWarps][256] for the warps' partial sums.
+inline constexpr std::size_t kMergeSmemBytes = kMergeWarps * (1 + 256) * sizeof(float);
 
-// Step 6, one CTA per (sequence, KV head) of a fixed grid: for every query row of a split
-// sequence, M = max lse_i, w_i = exp(lse_i - M) / sum_j exp(lse_j - M), O = sum_i w_i O_i (in
-// chunk order), L = M + log(sum_j exp(lse_j - M)); all chunks empty: O = 0, L = -inf.
+// A reduction over the CTA in a fixed order (xor butterflies in each warp, whose lanes end equal
+// since the operations commute, then the warps in order), so every replay gives the same bits.
+// Every thread returns the result.
+template <class Op>
+__device__ float merge_block_reduce(float x, float* scratch, Op op) {
+  for (int offset = 16; offset > 0; offset /= 2) {
+    x = op(x, __shfl_xor_sync(0xffffffffu, x, offset));
+  }
+  const int warp = static_cast<int>(threadIdx.x) / 32;
+  __syncthreads();  // scratch is free: the previous reduction's readers are done
+  if (threadIdx.x % 32 == 0) scratch[warp] = x;
+  __syncthreads();
+  float total = scratch[0];
+  for (int w = 1; w < kMergeWarps; ++w) total = op(total, scratch[w]);
+  return total;
+}
+
+// Step 6, one CTA per (sequence, KV head, query row) of a fixed grid: M = max lse_i,
+// w_i = exp(lse_i - M) / sum_j exp(lse_j - M), O = sum_i w_i O_i, L = M + log(sum_j exp(lse_j -
+// M)); all chunks empty: O = 0, L = -inf. The chunks are spread over the CTA's threads (the sums)
+// and warps (O: warp w adds chunks w, w + kMergeWarps, ..., its lanes own channels), so a
+// sequence cut into a hundred chunks at batch 1 merges in a few rounds of loads, not a hundred.
 static __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const DecodeKernelParams p) {
   const StepHeader header = *reinterpret_cast<const StepHeader*>(p.step);
-  const int b = blockIdx.x / p.num_kv_heads, h = blockIdx.x - b * p.num_kv_heads;
+  const int r = static_cast<int>(blockIdx.x % unsigned(p.rows));
+  const int pair = static_cast<int>(blockIdx.x / unsigned(p.rows));
+  const int b = pair / p.num_kv_heads, h = pair - b * p.num_kv_heads;
   if (b >= header.num_seqs) return;
   const SeqEntry seq = reinterpret_cast<const SeqEntry*>(p.step + header.seqs_offset)[b];
   if (seq.num_splits <= 1) return;
   extern __shared__ __align__(16) std::uint8_t smem[];  // kMergeSmemBytes
-  float* weights = reinterpret_cast<float*>(smem);
+  float* scratch = reinterpret_cast<float*>(smem);
+  float* warp_o = scratch + kMergeWarps;  // [kMergeWarps][d]
   const int d = p.head_dim;
+  const int tid = static_cast<int>(threadIdx.x), lane = tid % 32, warp = tid / 32;
   const std::int64_t lse_step = std::int64_t(p.num_kv_heads) * p.rows;  // one slot further
   const std::int64_t o_step = lse_step * d;
-  for (int r = 0; r < p.rows; ++r) {
-    const std::int64_t base = (std::int64_t(seq.first_partial) * p.num_kv_heads + h) * p.rows + r;
-    const float* partial_lse = p.partial_lse + base;
-    const float* partial_o = p.partial_o + base * d;
-    const int t = r / p.group, j = r - t * p.group;
-    float* out = p.o + (std::int64_t(b) * p.q_len + t) * p.o_token_stride +
-                 std::int64_t(h * p.group + j) * p.o_head_stride;
-    float* lse = p.lse == nullptr
-                     ? nullptr
-                     : p.lse + (std::int64_t(b) * p.q_len + t) * p.num_q_heads + h * p.group + j;
-    float max_lse = -INFINITY;
-    for (int s = 0; s < seq.num_splits; ++s) max_lse = host_max(max_lse, partial_lse[s * lse_step]);
-    if (max_lse == -INFINITY) {
-      for (int c = threadIdx.x; c < d; c += blockDim.x) out[c] = 0.0f;
-      if (threadIdx.x == 0 && lse != nullptr) *lse = -INFINITY;
-      continue;
-    }
-    float weight_sum = 0.0f;
-    for (int s = 0; s < seq.num_splits; ++s) {
-      weight_sum = __fadd_rn(weight_sum, exp_rn(__fsub_rn(partial_lse[s * lse_step], max_lse)));
-    }
-    // The chunks' weights, kMergeThreads at a time: each computed once (not once per channel),
-    // and added per channel in chunk order.
-    float o[kMergeChannelsPerThread] = {};
-    for (int first = 0; first < seq.num_splits; first += kMergeThreads) {
-      const int count = min(kMergeThreads, seq.num_splits - first);
-      __syncthreads();  // the previous row's or chunk's weights are no longer read
-      if (static_cast<int>(threadIdx.x) < count) {
-        const int s = first + threadIdx.x;
-        weights[threadIdx.x] =
-            __fdiv_rn(exp_rn(__fsub_rn(partial_lse[s * lse_step], max_lse)), weight_sum);
-      }
-      __syncthreads();
-      for (int i = 0; i < kMergeChannelsPerThread; ++i) {
-        const int c = threadIdx.x + i * kMergeThreads;
-        if (c >= d) break;
-        for (int k = 0; k < count; ++k) {
-          o[i] = __fadd_rn(o[i], __fmul_rn(weights[k], partial_o[(first + k) * o_step + c]));
-        }
-      }
-    }
-    for (int i = 0; i < kMergeChannelsPerThread; ++i) {
-      const int c = threadIdx.x + i * kMergeThreads;
-      if (c < d) out[c] = o[i];
-    }
-    if (threadIdx.x == 0 && lse != nullptr) *lse = __fadd_rn(max_lse, log_rn(weight_sum));
+  const std::int64_t base = (std::int64_t(seq.first_partial) * p.num_kv_heads + h) * p.rows + r;
+  const float* partial_lse = p.partial_lse + base;
+  const float* partial_o = p.partial_o + base * d;
+  const int t = r / p.group, j = r - t * p.group;
+  float* out = p.o + (std::int64_t(b) * p.q_len + t) * p.o_token_stride +
+               std::int64_t(h * p.group + j) * p.o_head_stride;
+  float* lse = p.lse == nullptr
+                   ? nullptr
+                   : p.lse + (std::int64_t(b) * p.q_len + t) * p.num_q_heads + h * p.group + j;
+
+  float max_lse = -INFINITY;
+  for (int s = tid; s < seq.num_splits; s += kMergeThreads) {
+    max_lse = host_max(max_lse, partial_lse[s * lse_step]);
   }
+  max_lse = merge_block_reduce(max_lse, scratch, [](float a, float b) { return host_max(a, b); });
+  if (max_lse == -INFINITY) {
+    for (int c = tid; c < d; c += kMergeThreads) out[c] = 0.0f;
+    if (tid == 0 && lse != nullptr) *lse = -INFINITY;
+    return;
+  }
+  float weight_sum = 0.0f;
+  for (int s = tid; s < seq.num_splits; s += kMergeThreads) {
+    weight_sum = __fadd_rn(weight_sum, exp_rn(__fsub_rn(partial_lse[s * lse_step], max_lse)));
+  }
+  weight_sum =
+      merge_block_reduce(weight_sum, scratch, [](float a, float b) { return __fadd_rn(a, b); });
+
+  // Each warp's chunks, lanes over channels (coalesced rows of the partial O).
+  float o[kMergeChannelsPerLane] = {};
+#pragma unroll 4
+  for (int s = warp; s < seq.num_splits; s += kMergeWarps) {
+    const float weight =
+        __fdiv_rn(exp_rn(__fsub_rn(partial_lse[s * lse_step], max_lse)), weight_sum);
+    const float* chunk = partial_o + s * o_step;
+#pragma unroll
+    for (int i = 0; i < kMergeChannelsPerLane; ++i) {
+      const int c = lane + 32 * i;
+      if (c < d) o[i] = __fadd_rn(o[i], __fmul_rn(weight, chunk[c]));
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kMergeChannelsPerLane; ++i) {
+    const int c = lane + 32 * i;
+    if (c < d) warp_o[warp * d + c] = o[i];
+  }
+  __syncthreads();
+  for (int c = tid; c < d; c += kMergeThreads) {
+    float sum = warp_o[c];
+    for (int w = 1; w < kMergeWarps; ++w) sum = __fadd_rn(sum, warp_o[w * d + c]);
+    out[c] = sum;
+  }
+  if (tid == 0 && lse != nullptr) *lse = __fadd_rn(max_lse, log_rn(weight_sum));
 }
 
 }  // namespace mjolnir::cuda

@@ -204,7 +204,7 @@ void enqueue_decode(const DecodeArgs& args, const DeviceScales& scales, const De
 
   LaunchShape shape;
   shape.decode_ctas = capacity.max_items();
-  shape.merge_ctas = capacity.max_merges();
+  shape.merge_ctas = capacity.max_merges(params.q_len * (params.num_q_heads / geo.num_kv_heads));
   shape.score_tokens = capacity.max_tile_tokens;
   shape.partial_slots = std::size_t(max_seqs) * capacity.plan.max_splits;
   launch_decode(args, scales, step.device_data(), workspace, shape, stream);
