@@ -280,7 +280,7 @@ class MmaDecodeCta : DecodeItem {
       b1 = fp6x2_to_f16x2<kFormat>((group >> 12 & 0x3Fu) | (group >> 18 & 0x3Fu) << 16);
     } else if constexpr (kElementBytes == 1) {
       b0 = fp8x2_to_f16x2<kFormat>(k[j]);
-      b1 = fp8x2_to_f16x2<kFormat>(k[j] >> 16);
+      b1 = fp8x2_high_to_f16x2<kFormat>(k[j]);
     } else {
       b0 = k[2 * j];
       b1 = k[2 * j + 1];
@@ -313,7 +313,7 @@ class MmaDecodeCta : DecodeItem {
     } else if constexpr (kElementBytes == 1) {
       const int w = n >> 2, within = n & 3;
       const std::uint32_t pair = byte_perm(first[w], second[w], within < 2 ? 0x5140u : 0x7362u);
-      return fp8x2_to_f16x2<kFormat>((within & 1) != 0 ? pair >> 16 : pair);
+      return (within & 1) != 0 ? fp8x2_high_to_f16x2<kFormat>(pair) : fp8x2_to_f16x2<kFormat>(pair);
     } else {
       const int w = n >> 1;
       return byte_perm(first[w], second[w], (n & 1) != 0 ? 0x7632u : 0x5410u);
@@ -443,10 +443,10 @@ class MmaDecodeCta : DecodeItem {
     const float m_new = fmaxf(m, row_max);
     float sum = 0.0f;
     for (float& v : x) {
-      v = m_new == -INFINITY ? 0.0f : exp2f(v - m_new);  // masked: exp2(-inf) = 0
+      v = m_new == -INFINITY ? 0.0f : exp2_flush(v - m_new);  // masked: exp2(-inf) = 0
       sum += v;
     }
-    const float alpha = m_new == -INFINITY ? 1.0f : exp2f(m - m_new);
+    const float alpha = m_new == -INFINITY ? 1.0f : exp2_flush(m - m_new);
     l = l * alpha + sum;
     m = m_new;
     return alpha;

@@ -23,6 +23,7 @@
 #include <cuda_runtime.h>
 #endif
 
+#include <cmath>
 #include <cstdint>
 
 #include "core/minifloat.h"
@@ -99,6 +100,44 @@ __device__ __forceinline__ std::uint32_t fp8x2_to_f16x2(std::uint32_t codes) {
       __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(codes & 0xFFFFu),
                                  kFormat == Format::fp8_e4m3 ? __NV_E4M3 : __NV_E5M2);
   return std::uint32_t(h.x) | std::uint32_t(h.y) << 16;
+#endif
+}
+
+// Two fp8 codes in the high 16 bits of `codes`, as f16x2; exact. On sm_89+ the conversion reads
+// the register's upper half itself (F2FP ... R.H1 in the SASS), where the shift that
+// fp8x2_to_f16x2(codes >> 16) needs would be one more instruction per two values.
+template <Format kFormat>
+__device__ __forceinline__ std::uint32_t fp8x2_high_to_f16x2(std::uint32_t codes) {
+#if !defined(MJOLNIR_CUDA_EMULATION) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  std::uint32_t pair;
+  if constexpr (kFormat == Format::fp8_e4m3) {
+    asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, hi;\n}"
+        : "=r"(pair)
+        : "r"(codes));
+  } else {
+    static_assert(kFormat == Format::fp8_e5m2);
+    asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e5m2x2 %0, hi;\n}"
+        : "=r"(pair)
+        : "r"(codes));
+  }
+  return pair;
+#else
+  return fp8x2_to_f16x2<kFormat>(codes >> 16);
+#endif
+}
+
+// 2^x by the hardware's approximation (MUFU.EX2, about 2 ulp, as exp2f), flushing results below
+// 2^-126 to zero: exp2f adds about a dozen instructions per call to keep those subnormal
+// results, which in the online softmax are probabilities under 2^-126 of the row's largest.
+// exp2(0) is exactly 1, so an unchanged maximum still gives alpha == 1. The emulation (and the
+// host pass) use std::exp2, which keeps them; the difference is far below the tolerance.
+__device__ __forceinline__ float exp2_flush(float x) {
+#if !defined(MJOLNIR_CUDA_EMULATION) && defined(__CUDA_ARCH__)
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#else
+  return std::exp2(x);
 #endif
 }
 
