@@ -83,11 +83,14 @@ std::vector<cuda::BenchSpec> bench_configs() {
   add(Format::fp8_e4m3, 16, 32768, 1, 64);       // Hq 64, Hk 8
   add(Format::fp8_e4m3, 16, 32768, 1, 32, 256);  // D 256
   // Probes: fp8 Q (one operand term instead of two), and batch 1 capped at the old default of 16
-  // chunks per sequence (128 CTAs; the row above fills the device, max_splits_to_fill).
+  // chunks per sequence (128 CTAs) and at 48 (384 CTAs: one wave of three per SM, with three
+  // times the tokens per CTA of the fill row's 128 chunks).
   add(Format::fp8_e4m3, 16, 32768);
   configs.back().q_mode = QMode::fp8;
   add(Format::fp8_e4m3, 1, 32768);
   configs.back().max_splits = 16;
+  add(Format::fp8_e4m3, 1, 32768);
+  configs.back().max_splits = 48;
   const char* set = std::getenv("MJOLNIR_CUDA_BENCH_SET");
   if (set != nullptr && std::string(set) == "short") configs.resize(5);
   return configs;
@@ -101,8 +104,8 @@ TEST(CudaBench, Table) {
   const std::string device = cuda::device_name();
   std::printf("device: %s, device-to-device copy bandwidth %.0f GB/s (read + write)\n",
               device.c_str(), copy);
-  std::printf("%-9s %6s %8s %6s %5s %5s %12s %10s %8s %7s %s\n", "format", "batch", "context",
-              "q_len", "hq", "d", "median_us", "KV_MiB", "GB/s", "of_copy", "body");
+  std::printf("%-9s %6s %8s %6s %5s %5s %6s %12s %10s %8s %7s %s\n", "format", "batch", "context",
+              "q_len", "hq", "d", "chunks", "median_us", "KV_MiB", "GB/s", "of_copy", "body");
   nlohmann::ordered_json results = nlohmann::ordered_json::array();
   for (const cuda::BenchSpec& s : bench_configs()) {
     cuda::BenchResult r;
@@ -115,10 +118,10 @@ TEST(CudaBench, Table) {
       continue;
     }
     const double fraction = r.gbps / copy;
-    std::printf("%-9s %6d %8d %6d %5d %5d %12.1f %10.1f %8.1f %6.1f%% %s\n",
+    std::printf("%-9s %6d %8d %6d %5d %5d %6d %12.1f %10.1f %8.1f %6.1f%% %s\n",
                 std::string(to_string(s.format)).c_str(), s.batch, s.context, s.q_len,
-                s.num_q_heads, s.head_dim, r.median_us, double(r.kv_bytes) / (1 << 20), r.gbps,
-                100 * fraction, r.body.c_str());
+                s.num_q_heads, s.head_dim, r.max_splits, r.median_us,
+                double(r.kv_bytes) / (1 << 20), r.gbps, 100 * fraction, r.body.c_str());
     std::fflush(stdout);
     results.push_back({
         {"backend", "cuda"},
