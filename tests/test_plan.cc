@@ -138,6 +138,17 @@ TEST(Plan, MaxSplitsToFillOneWave) {
   EXPECT_EQ(plan.num_splits[0], 128);
   EXPECT_EQ(plan.num_items, 1024);
 
+  // PlanOptions::max_splits 0 asks make_plan for the same, within the plan's capacity.
+  PlanOptions fill = options;
+  fill.max_splits = 0;
+  make_plan(plan, lens, 1, hk, fill);
+  EXPECT_EQ(plan.num_splits[0], 128);
+  Plan small(PlanCapacity{1, hk, 16});
+  make_plan(small, lens, 1, hk, fill);
+  EXPECT_EQ(small.num_splits[0], 16);
+  fill.max_splits = -1;
+  EXPECT_THROW(make_plan(plan, lens, 1, hk, fill), Error);
+
   EXPECT_THROW(max_splits_to_fill(0, 1, 8), Error);
   EXPECT_THROW(max_splits_to_fill(8, -1, 8), Error);
   EXPECT_THROW(max_splits_to_fill(8, 1, 0), Error);

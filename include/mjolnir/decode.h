@@ -114,7 +114,9 @@ std::unique_ptr<Backend> make_backend(std::string_view name, const BackendOption
 std::vector<std::string> compiled_backends();
 
 // Convenience for one-off calls: validates, plans with the backend's capacity, allocates the
-// workspace and runs. Serving loops keep a Plan and workspace and call run() themselves.
+// workspace and runs. options.max_splits 0 plans as many chunks as fill the backend's workers
+// (max_splits_to_fill; a GPU at batch 1 needs about a hundred). Serving loops keep a Plan and
+// workspace and call run() themselves.
 void decode(const Backend& backend, const DecodeArgs& args, PlanOptions options = {});
 
 }  // namespace mjolnir

@@ -22,7 +22,7 @@ struct WorkItem {
 
 struct PlanOptions {
   int workers = 1;             // device capacity: CPU threads, or GPU SMs x CTAs per SM
-  int max_splits = 16;         // cap on chunks per sequence
+  int max_splits = 16;         // cap on chunks per sequence; 0: max_splits_to_fill (below)
   int tile_tokens = 64;        // T of the online softmax; chunk bounds are multiples of it
   int min_chunk_tokens = 256;  // a sequence is not cut into chunks shorter than this
   int fixed_splits = 0;        // > 0: cut every sequence into this many chunks (tests, tuning)

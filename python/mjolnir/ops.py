@@ -252,7 +252,7 @@ def decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
            seq_lens: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
            kv_format: str, q_len: int = 1, layout: str = DEFAULT_LAYOUT, causal: bool = True,
            softmax_scale: float = 0.0, q_mode: str = "fp32", p_mode: str = "fp32",
-           max_splits: int = 16, threads: int = 0, backend: str = "") -> torch.Tensor:
+           max_splits: int = 0, threads: int = 0, backend: str = "") -> torch.Tensor:
     """One decode step; returns O [num_tokens, Hq, D] in q's dtype."""
     return _decode_impl(None, q, kv_cache, block_table, seq_lens, k_scale, v_scale, kv_format,
                         q_len, layout, causal, softmax_scale, q_mode, p_mode, max_splits,
@@ -262,7 +262,7 @@ def decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
 @decode.register_fake
 def _decode_fake(q, kv_cache, block_table, seq_lens, k_scale, v_scale, kv_format, q_len=1,
                  layout=DEFAULT_LAYOUT, causal=True, softmax_scale=0.0, q_mode="fp32",
-                 p_mode="fp32", max_splits=16, threads=0, backend=""):
+                 p_mode="fp32", max_splits=0, threads=0, backend=""):
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 
@@ -271,7 +271,7 @@ def decode_into(output: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor,
                 block_table: torch.Tensor, seq_lens: torch.Tensor, k_scale: torch.Tensor,
                 v_scale: torch.Tensor, kv_format: str, q_len: int = 1,
                 layout: str = DEFAULT_LAYOUT, causal: bool = True, softmax_scale: float = 0.0,
-                q_mode: str = "fp32", p_mode: str = "fp32", max_splits: int = 16,
+                q_mode: str = "fp32", p_mode: str = "fp32", max_splits: int = 0,
                 threads: int = 0, backend: str = "") -> None:
     """decode() writing into `output` [num_tokens, Hq, D] (any float dtype and strides)."""
     _decode_impl(output, q, kv_cache, block_table, seq_lens, k_scale, v_scale, kv_format, q_len,
@@ -281,7 +281,7 @@ def decode_into(output: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor,
 @decode_into.register_fake
 def _decode_into_fake(output, q, kv_cache, block_table, seq_lens, k_scale, v_scale, kv_format,
                       q_len=1, layout=DEFAULT_LAYOUT, causal=True, softmax_scale=0.0,
-                      q_mode="fp32", p_mode="fp32", max_splits=16, threads=0, backend=""):
+                      q_mode="fp32", p_mode="fp32", max_splits=0, threads=0, backend=""):
     return None
 
 

@@ -188,7 +188,11 @@ void decode(const Backend& backend, const DecodeArgs& args, PlanOptions options)
   const std::string why = backend.unsupported_reason(args.cache.geometry, args.params);
   MJOLNIR_REQUIRE(why.empty(), "backend ", backend.name(), ": ", why);
   options.workers = backend.workers();
-  Plan plan(PlanCapacity{args.batch.num_seqs(), args.cache.geometry.num_kv_heads,
+  const int num_kv_heads = args.cache.geometry.num_kv_heads;
+  if (options.max_splits == 0) {  // one call, one workspace: as many chunks as fill the device
+    options.max_splits = max_splits_to_fill(options.workers, args.batch.num_seqs(), num_kv_heads);
+  }
+  Plan plan(PlanCapacity{args.batch.num_seqs(), num_kv_heads,
                          std::max(1, std::max(options.max_splits, options.fixed_splits))});
   options.max_splits = plan.capacity.max_splits;
   make_plan(plan, args.batch.seq_lens, args.params.q_len, args.cache.geometry.num_kv_heads,

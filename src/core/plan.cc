@@ -45,8 +45,8 @@ void make_plan(Plan& plan, std::span<const std::int32_t> seq_lens, int q_len, in
                   " must be at least 1");
   MJOLNIR_REQUIRE(options.tile_tokens >= 1 && options.tile_tokens <= 1024,
                   "plan options.tile_tokens: ", options.tile_tokens, " is outside [1, 1024]");
-  MJOLNIR_REQUIRE(options.max_splits >= 1, "plan options.max_splits: ", options.max_splits,
-                  " must be at least 1");
+  MJOLNIR_REQUIRE(options.max_splits >= 0, "plan options.max_splits: ", options.max_splits,
+                  " is negative (0: as many chunks as fill the workers)");
   MJOLNIR_REQUIRE(options.fixed_splits >= 0, "plan options.fixed_splits: ", options.fixed_splits,
                   " is negative");
   MJOLNIR_REQUIRE(options.min_chunk_tokens >= 1,
@@ -60,7 +60,10 @@ void make_plan(Plan& plan, std::span<const std::int32_t> seq_lens, int q_len, in
     MJOLNIR_REQUIRE(seq_lens[b] >= 0, "seq_lens[", b, "]: ", seq_lens[b], " is negative");
   }
 
-  const int max_splits = std::min(options.max_splits, plan.capacity.max_splits);
+  const int wanted_splits = options.max_splits > 0
+                                ? options.max_splits
+                                : max_splits_to_fill(options.workers, num_seqs, num_kv_heads);
+  const int max_splits = std::min(wanted_splits, plan.capacity.max_splits);
   const std::int64_t wave_chunk = chunk_tokens_for_one_wave(seq_lens, num_kv_heads, options);
   const int tile = options.tile_tokens;
 
