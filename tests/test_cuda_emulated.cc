@@ -64,8 +64,7 @@ class EmulatedKernels final : public Backend {
     pack_step(args.batch, plan, geo.page_size, step.data());
     LaunchShape shape;
     shape.decode_ctas = static_cast<int>(plan.items.size());
-    shape.merge_ctas = plan.capacity.max_seqs * geo.num_kv_heads * plan.q_len *
-                       (args.params.num_q_heads / geo.num_kv_heads);
+    shape.merge_ctas = plan.capacity.max_seqs * plan.q_len * args.params.num_q_heads;
     shape.score_tokens = std::max(plan.tile_tokens, score_tokens_);
     shape.partial_slots = std::size_t(plan.capacity.max_seqs) * plan.capacity.max_splits;
     const DecodeConfig config =

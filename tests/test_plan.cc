@@ -146,6 +146,8 @@ TEST(Plan, MaxSplitsToFillOneWave) {
   Plan small(PlanCapacity{1, hk, 16});
   make_plan(small, lens, 1, hk, fill);
   EXPECT_EQ(small.num_splits[0], 16);
+  EXPECT_EQ(effective_max_splits(fill, 1, hk), 132);
+  EXPECT_EQ(effective_max_splits(options, 64, hk), 132);  // a cap that was given stays
   fill.max_splits = -1;
   EXPECT_THROW(make_plan(plan, lens, 1, hk, fill), Error);
 

@@ -434,10 +434,8 @@ int run_bench(const BenchOptions& options) {
           spec.format = format;
           spec.seq_lens.assign(batch, context);
           PlanOptions row_plan = plan_options;
-          row_plan.max_splits =
-              options.max_splits > 0
-                  ? options.max_splits
-                  : max_splits_to_fill(plan_options.workers, batch, series.heads.num_kv_heads);
+          row_plan.max_splits = options.max_splits;
+          row_plan.max_splits = effective_max_splits(row_plan, batch, series.heads.num_kv_heads);
           std::optional<Row> row = measure(*backend, on_gpu, spec, row_plan, timing, limit);
           if (!row) continue;
           row->series = series.name;

@@ -69,6 +69,11 @@ void make_plan(Plan& plan, std::span<const std::int32_t> seq_lens, int q_len, in
 // the batches that are small.
 int max_splits_to_fill(int workers, int num_seqs, int num_kv_heads);
 
+// The cap on chunks per sequence that make_plan applies (before the plan's capacity):
+// options.max_splits, or max_splits_to_fill(options.workers, ...) when it is 0. Size a
+// PlanCapacity with it to let a max_splits of 0 take effect.
+int effective_max_splits(const PlanOptions& options, int num_seqs, int num_kv_heads);
+
 // Where split partials live in a backend's workspace: for slot s, KV head h, query row r
 // (r = t * g + j for query token t and head j of the group), O at
 // o[((s * Hk + h) * rows + r) * D] and LSE at lse[(s * Hk + h) * rows + r].

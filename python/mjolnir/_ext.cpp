@@ -122,8 +122,7 @@ void decode_step(const std::string& backend_name, int threads, const std::string
   const std::string why = backend.unsupported_reason(args.cache.geometry, args.params);
   MJOLNIR_REQUIRE(why.empty(), "backend cuda: ", why);
   options.workers = backend.workers();
-  if (max_splits == 0)
-    options.max_splits = max_splits_to_fill(options.workers, num_seqs, num_kv_heads);
+  options.max_splits = effective_max_splits(options, num_seqs, num_kv_heads);
   Plan plan(PlanCapacity{num_seqs, num_kv_heads, std::max(1, options.max_splits)});
   make_plan(plan, args.batch.seq_lens, q_len, num_kv_heads, options);
   const std::size_t bytes = backend.workspace_bytes(plan, args.cache.geometry, args.params);

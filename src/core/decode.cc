@@ -189,14 +189,12 @@ void decode(const Backend& backend, const DecodeArgs& args, PlanOptions options)
   MJOLNIR_REQUIRE(why.empty(), "backend ", backend.name(), ": ", why);
   options.workers = backend.workers();
   const int num_kv_heads = args.cache.geometry.num_kv_heads;
-  if (options.max_splits == 0) {  // one call, one workspace: as many chunks as fill the device
-    options.max_splits = max_splits_to_fill(options.workers, args.batch.num_seqs(), num_kv_heads);
-  }
+  // One call, one workspace: a max_splits of 0 gets as many chunks as fill the device.
+  options.max_splits = effective_max_splits(options, args.batch.num_seqs(), num_kv_heads);
   Plan plan(PlanCapacity{args.batch.num_seqs(), num_kv_heads,
                          std::max(1, std::max(options.max_splits, options.fixed_splits))});
   options.max_splits = plan.capacity.max_splits;
-  make_plan(plan, args.batch.seq_lens, args.params.q_len, args.cache.geometry.num_kv_heads,
-            options);
+  make_plan(plan, args.batch.seq_lens, args.params.q_len, num_kv_heads, options);
   std::vector<std::byte> workspace(backend.workspace_bytes(plan, args.cache.geometry, args.params));
   backend.run(args, plan, workspace);
 }

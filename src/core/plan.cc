@@ -60,10 +60,8 @@ void make_plan(Plan& plan, std::span<const std::int32_t> seq_lens, int q_len, in
     MJOLNIR_REQUIRE(seq_lens[b] >= 0, "seq_lens[", b, "]: ", seq_lens[b], " is negative");
   }
 
-  const int wanted_splits = options.max_splits > 0
-                                ? options.max_splits
-                                : max_splits_to_fill(options.workers, num_seqs, num_kv_heads);
-  const int max_splits = std::min(wanted_splits, plan.capacity.max_splits);
+  const int max_splits =
+      std::min(effective_max_splits(options, num_seqs, num_kv_heads), plan.capacity.max_splits);
   const std::int64_t wave_chunk = chunk_tokens_for_one_wave(seq_lens, num_kv_heads, options);
   const int tile = options.tile_tokens;
 
@@ -101,6 +99,12 @@ int max_splits_to_fill(int workers, int num_seqs, int num_kv_heads) {
   MJOLNIR_REQUIRE(num_kv_heads >= 1, "num_kv_heads: ", num_kv_heads, " must be at least 1");
   const std::int64_t pairs = std::int64_t(std::max(num_seqs, 1)) * num_kv_heads;
   return std::max(PlanOptions{}.max_splits, ceil_div(workers, pairs));
+}
+
+int effective_max_splits(const PlanOptions& options, int num_seqs, int num_kv_heads) {
+  // Only 0 is replaced: make_plan still rejects a negative cap, naming it.
+  return options.max_splits != 0 ? options.max_splits
+                                 : max_splits_to_fill(options.workers, num_seqs, num_kv_heads);
 }
 
 }  // namespace mjolnir

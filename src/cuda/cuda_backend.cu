@@ -119,8 +119,7 @@ class CudaBackend final : public Backend {
 
     LaunchShape shape;
     shape.decode_ctas = plan.num_items;
-    shape.merge_ctas = plan.num_seqs * geo.num_kv_heads * plan.q_len *
-                       (args.params.num_q_heads / geo.num_kv_heads);
+    shape.merge_ctas = plan.num_seqs * plan.q_len * args.params.num_q_heads;  // one per query row
     shape.score_tokens = plan.tile_tokens;
     shape.partial_slots = std::size_t(plan.capacity.max_seqs) * plan.capacity.max_splits;
     launch_decode(args, DeviceScales{scales, scales + count}, step_->device_data(), workspace,

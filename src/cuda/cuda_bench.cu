@@ -249,9 +249,8 @@ BenchResult bench_decode(const BenchSpec& spec) {
   PlanOptions options;
   options.workers = backend->workers();
   options.tile_tokens = spec.tile_tokens;
-  options.max_splits = spec.max_splits > 0
-                           ? spec.max_splits
-                           : max_splits_to_fill(options.workers, spec.batch, spec.num_kv_heads);
+  options.max_splits = spec.max_splits;
+  options.max_splits = effective_max_splits(options, spec.batch, spec.num_kv_heads);
   result.max_splits = options.max_splits;
   StepCapacity capacity;
   capacity.plan = PlanCapacity{spec.batch, spec.num_kv_heads, options.max_splits};
