@@ -247,6 +247,43 @@ TEST(CudaEmulated, TensorCoreBody) {
   for (int count : tally.layouts) EXPECT_GE(count, 3);  // every layout, several formats
 }
 
+// The packed codes' placement into f16 (mma_fragments.cuh) against core/minifloat's decoding:
+// every e2m1 code in each byte of both parities, and every fp6 code at every bit it may sit at.
+TEST(CudaEmulated, PackedCodesPlacedIntoF16) {
+  std::mt19937 rng(static_cast<std::uint32_t>(testing::test_seed()));
+  auto f16 = [](std::uint32_t bits) { return decode_minifloat<kFp16Spec>(bits & 0xFFFFu); };
+  for (int i = 0; i < 8; ++i) {  // code i of the word: byte i / 2 of parity i % 2
+    for (std::uint32_t code = 0; code < 16; ++code) {
+      const std::uint32_t other = rng();  // the other codes
+      const std::uint32_t word = (other & ~(0xFu << (4 * i))) | code << (4 * i);
+      const std::uint32_t bytes = e2m1_bytes(word, (i & 1) != 0);
+      const int byte = i >> 1;
+      // Into bytes 1 and 3, as the V operand's permute does (the K operand's are bytes 1 and 3
+      // as they are, or shifted there by a byte).
+      const std::uint32_t pair =
+          e2m1x2_from_bytes(byte_perm(bytes, bytes, nibble_pair_selector(byte)));
+      SCOPED_TRACE("e2m1 code " + std::to_string(code) + " at " + std::to_string(i));
+      EXPECT_EQ(f16(pair), decode_minifloat<kE2M1Spec>(code) * 0x1p-14f);
+      EXPECT_EQ(f16(pair >> 16), decode_minifloat<kE2M1Spec>(code) * 0x1p-14f);
+    }
+  }
+  // fp6 codes at every bit a half can hold them at (0 to 10), the other bits random.
+  for (int t = 0; t <= 10; ++t) {
+    for (std::uint32_t code = 0; code < 64; ++code) {
+      const std::uint32_t other = rng() & 0x3Fu;
+      const std::uint32_t noise = rng() & ~(0x3Fu << t | 0x3Fu << (16 + t));
+      const std::uint32_t halves = code << t | other << (16 + t) | noise;
+      const std::uint32_t e2m3 = fp6x2_to_f16x2<Format::fp6_e2m3>(halves, t);
+      const std::uint32_t e3m2 = fp6x2_to_f16x2<Format::fp6_e3m2>(halves, t);
+      SCOPED_TRACE("fp6 code " + std::to_string(code) + " at bit " + std::to_string(t));
+      EXPECT_EQ(f16(e2m3), decode_minifloat<kE2M3Spec>(code) * 0x1p-14f);
+      EXPECT_EQ(f16(e2m3 >> 16), decode_minifloat<kE2M3Spec>(other) * 0x1p-14f);
+      EXPECT_EQ(f16(e3m2), decode_minifloat<kE3M2Spec>(code) * 0x1p-12f);
+      EXPECT_EQ(f16(e3m2 >> 16), decode_minifloat<kE3M2Spec>(other) * 0x1p-12f);
+    }
+  }
+}
+
 // Which body a launch gets (decode_config.h): the tensor-core one only where its conditions
 // hold, each refusal for its own reason. Host logic; the pool is never read.
 TEST(CudaEmulated, BodyChoice) {

@@ -96,16 +96,20 @@ class MmaDecodeCta : DecodeItem {
   __device__ void run() {
     prepare_query();
     WarpState state;
-    switch (layout_) {
-      case MmaLayout::plain:
-        walk<MmaLayout::plain>(state);
-        break;
-      case MmaLayout::stacked:
-        walk<MmaLayout::stacked>(state);
-        break;
-      case MmaLayout::tokens_on_m:
-        walk<MmaLayout::tokens_on_m>(state);
-        break;
+    if constexpr (kType == MmaType::f16) {
+      switch (layout_) {
+        case MmaLayout::plain:
+          walk<MmaLayout::plain>(state);
+          break;
+        case MmaLayout::stacked:
+          walk<MmaLayout::stacked>(state);
+          break;
+        case MmaLayout::tokens_on_m:
+          walk<MmaLayout::tokens_on_m>(state);
+          break;
+      }
+    } else {
+      walk<MmaLayout::plain>(state);  // bf16: three operand terms fit only the plain layout
     }
     merge_and_write(state);
   }
@@ -121,12 +125,22 @@ class MmaDecodeCta : DecodeItem {
 
   __device__ static int lane() { return threadIdx.x & 31; }
 
-  // The first of the four channels k-step j of lane tid covers (two in b0, two in b1).
-  __device__ static int k_step_channel(int tid, int j) {
-    if constexpr (kPacked) {
-      return tid * (kHeadDim / 4) + 4 * j;  // a contiguous slice
+  // The channel of value i of k-step j of lane tid, in the order of k_operand: i = 2r + h is
+  // register r's (b0, b1) half h. 8- and 16-bit formats: four consecutive channels. 4-bit
+  // formats: k-step j takes the even (j even) or odd codes of its slice's word j / 2, paired
+  // (code p, p + 4) in b0 and (p + 2, p + 6) in b1, p = j % 2: one e2m1_bytes per k-step, then
+  // a logic operation per pair (and a shift for b0). fp6: codes m and m + 16 of a 32-code block
+  // of the slice are 96 bits, three words, apart, at the same bit of their words, so one byte
+  // permute brings both together (fp6_pair); k-step j takes the pairs m = 2j and 2j + 1 of
+  // block j / 8 (j % 8 in the formula).
+  __device__ static int k_channel(int tid, int j, int i) {
+    const int slice = tid * (kHeadDim / 4);
+    if constexpr (kNibbles) {
+      return slice + 8 * (j >> 1) + (j & 1) + 2 * (i >> 1) + 4 * (i & 1);
+    } else if constexpr (kSixBit) {
+      return slice + 32 * (j >> 3) + 2 * (j & 7) + (i >> 1) + 16 * (i & 1);
     } else {
-      return k_slice_byte(tid, kElementBytes == 1 ? j : 2 * j) / kElementBytes;
+      return k_slice_byte(tid, kElementBytes == 1 ? j : 2 * j) / kElementBytes + i;
     }
   }
 
@@ -167,31 +181,32 @@ class MmaDecodeCta : DecodeItem {
     static_assert(kType == MmaType::f16 || mma_layout(kFormat, 1) == MmaLayout::plain);
     for (int e = threadIdx.x; e < kKSteps * 32; e += kThreads) {
       const int j = e / 32, l = e - j * 32, gid = l >> 2, tid = l & 3;
-      const int c = k_step_channel(tid, j);
-      const float* row0 = q_values_ + gid * kHeadDim + c;
+      const int c[4] = {k_channel(tid, j, 0), k_channel(tid, j, 1), k_channel(tid, j, 2),
+                        k_channel(tid, j, 3)};
+      const float* row0 = q_values_ + gid * kHeadDim;
       const float* row1 = row0 + 8 * kHeadDim;
       if (layout_ == MmaLayout::stacked) {  // row gid's terms 0, 1 in M rows gid, gid + 8
         std::uint32_t low[2], high[2];
-        split2<kType, 2>(row0[0] * q_scale, row0[1] * q_scale, low);
-        split2<kType, 2>(row0[2] * q_scale, row0[3] * q_scale, high);
+        split2<kType, 2>(row0[c[0]] * q_scale, row0[c[1]] * q_scale, low);
+        split2<kType, 2>(row0[c[2]] * q_scale, row0[c[3]] * q_scale, high);
         std::uint32_t* to = q_frags_ + (j * 32 + l) * 4;
         to[0] = low[0], to[1] = low[1], to[2] = high[0], to[3] = high[1];
         continue;
       }
       if (layout_ == MmaLayout::tokens_on_m) {  // B fragments: N column gid is row gid / 2's
-        const float* row = q_values_ + (gid >> 1) * kHeadDim + c;  // term gid % 2
+        const float* row = q_values_ + (gid >> 1) * kHeadDim;  // term gid % 2
         std::uint32_t low[2], high[2];
-        split2<kType, 2>(row[0] * q_scale, row[1] * q_scale, low);
-        split2<kType, 2>(row[2] * q_scale, row[3] * q_scale, high);
+        split2<kType, 2>(row[c[0]] * q_scale, row[c[1]] * q_scale, low);
+        split2<kType, 2>(row[c[2]] * q_scale, row[c[3]] * q_scale, high);
         std::uint32_t* to = q_frags_ + (j * 32 + l) * 4;
         to[0] = low[gid & 1], to[1] = high[gid & 1];
         continue;
       }
       std::uint32_t regs[4][kTerms];
-      split2<kType, kTerms>(row0[0] * q_scale, row0[1] * q_scale, regs[0]);
-      split2<kType, kTerms>(row1[0] * q_scale, row1[1] * q_scale, regs[1]);
-      split2<kType, kTerms>(row0[2] * q_scale, row0[3] * q_scale, regs[2]);
-      split2<kType, kTerms>(row1[2] * q_scale, row1[3] * q_scale, regs[3]);
+      split2<kType, kTerms>(row0[c[0]] * q_scale, row0[c[1]] * q_scale, regs[0]);
+      split2<kType, kTerms>(row1[c[0]] * q_scale, row1[c[1]] * q_scale, regs[1]);
+      split2<kType, kTerms>(row0[c[2]] * q_scale, row0[c[3]] * q_scale, regs[2]);
+      split2<kType, kTerms>(row1[c[2]] * q_scale, row1[c[3]] * q_scale, regs[3]);
       for (int t = 0; t < kTerms; ++t) {
         std::uint32_t* to = q_frags_ + ((t * kKSteps + j) * 32 + l) * 4;
         for (int i = 0; i < 4; ++i) to[i] = regs[i][t];
@@ -245,13 +260,27 @@ class MmaDecodeCta : DecodeItem {
     }
   }
 
-  // The 24 bits at byte `byte` of a slice (fp6's group of four codes), little-endian.
-  template <int kWords>
-  __device__ static std::uint32_t bits24(const std::uint32_t (&words)[kWords], int byte) {
-    const int w = byte >> 2, shift = 8 * (byte & 3);
-    std::uint32_t bits = words[w] >> shift;
-    if (shift > 8) bits |= words[w + 1] << (32 - shift);  // the group crosses into the next word
-    return bits & 0xFFFFFFu;
+  // fp6: the code at `bit` of x's words from wx on (low half) and the code at the same bit of
+  // y's words from wy on (high half), as f16x2. A byte permute brings the one or two bytes
+  // holding each code together; a code that crosses into the next word (bit 28 or 30) is first
+  // funnel-shifted down 16 bits out of its word pair.
+  template <int kXWords, int kYWords>
+  __device__ static std::uint32_t fp6_pair(const std::uint32_t (&x)[kXWords], int wx,
+                                           const std::uint32_t (&y)[kYWords], int wy, int bit) {
+    std::uint32_t x_word = x[wx], y_word = y[wy];
+    if (bit > 26) {
+      x_word = funnel_right(x_word, x[wx + 1], 16);
+      y_word = funnel_right(y_word, y[wy + 1], 16);
+      bit -= 16;
+    }
+    const int byte = bit >> 3, within = bit & 7;
+    if (within <= 2) {  // in one byte: to bytes 1 and 3, the code at bit 8 + within of each half
+      return fp6x2_to_f16x2<kFormat>(byte_perm(x_word, y_word, nibble_pair_selector(byte)),
+                                     8 + within);
+    }
+    const std::uint32_t selector = std::uint32_t(byte) | std::uint32_t(byte + 1) << 4 |
+                                   std::uint32_t(4 + byte) << 8 | std::uint32_t(5 + byte) << 12;
+    return fp6x2_to_f16x2<kFormat>(byte_perm(x_word, y_word, selector), within);
   }
 
   // nvfp4: the e4m3 block scale `code` (low byte) as an f16x2 of two equal halves.
@@ -263,21 +292,22 @@ class MmaDecodeCta : DecodeItem {
   __device__ static void k_operand(const std::uint32_t (&k)[kKWords], std::uint32_t scales, int j,
                                    std::uint32_t& b0, std::uint32_t& b1) {
     if constexpr (kNibbles) {
-      // Channels 4j .. 4j + 3 of the slice are bytes 2j and 2j + 1: each byte two channels.
-      const std::uint32_t word = k[j >> 1];
-      const int byte = (j & 1) * 2;
-      b0 = e2m1x2_to_f16x2(byte_perm(word, word >> 4, nibble_pair_selector(byte)));
-      b1 = e2m1x2_to_f16x2(byte_perm(word, word >> 4, nibble_pair_selector(byte + 1)));
+      // k_channel's order: codes p, p + 2, p + 4, p + 6 of word j / 2 (p = j % 2) in bytes 0-3;
+      // (p, p + 4) shifted to bytes 1 and 3 in b0, (p + 2, p + 6) in b1.
+      const std::uint32_t bytes = e2m1_bytes(k[j >> 1], (j & 1) != 0);
+      b0 = e2m1x2_from_bytes(bytes << 8);
+      b1 = e2m1x2_from_bytes(bytes);
       if constexpr (kBlockScaled) {
         const std::uint32_t scale = scale_pair(scales >> (8 * (j >> 2)));  // 16 channels a block
         b0 = hmul2(b0, scale);
         b1 = hmul2(b1, scale);
       }
     } else if constexpr (kSixBit) {
-      // Channels 4j .. 4j + 3 of the slice are the 3-byte group j: codes at bits 0, 6, 12, 18.
-      const std::uint32_t group = bits24(k, 3 * j);
-      b0 = fp6x2_to_f16x2<kFormat>((group & 0x3Fu) | (group & 0xFC0u) << 10);
-      b1 = fp6x2_to_f16x2<kFormat>((group >> 12 & 0x3Fu) | (group >> 18 & 0x3Fu) << 16);
+      // k_channel's order: code pairs (m, m + 16), m = 32 (j / 8) + 2 (j % 8), in b0, and
+      // (m + 1, m + 17) in b1. Code m is at bit 6m of the slice; m + 16 three words later.
+      const int m = 32 * (j >> 3) + 2 * (j & 7);
+      b0 = fp6_pair(k, 6 * m >> 5, k, (6 * m >> 5) + 3, 6 * m & 31);
+      b1 = fp6_pair(k, 6 * (m + 1) >> 5, k, (6 * (m + 1) >> 5) + 3, 6 * (m + 1) & 31);
     } else if constexpr (kElementBytes == 1) {
       b0 = fp8x2_to_f16x2<kFormat>(k[j]);
       b1 = fp8x2_high_to_f16x2<kFormat>(k[j]);
@@ -294,10 +324,12 @@ class MmaDecodeCta : DecodeItem {
                                             const std::uint32_t (&second)[kVWords],
                                             std::uint32_t scales, int n) {
     if constexpr (kNibbles) {
-      // Channel n of the slice is nibble n: byte n / 2 of the words, high nibble when n is odd.
-      const int w = n >> 3, shift = 4 * (n & 1), byte = (n & 7) >> 1;
-      std::uint32_t pair = e2m1x2_to_f16x2(
-          byte_perm(first[w] >> shift, second[w] >> shift, nibble_pair_selector(byte)));
+      // Channel n of the slice is code n % 8 of word n / 8: both tokens' codes of its parity in
+      // bytes (e2m1_bytes), then byte n % 8 / 2 of each into bytes 1 and 3.
+      const int w = n >> 3, byte = (n & 7) >> 1;
+      const bool odd = (n & 1) != 0;
+      std::uint32_t pair = e2m1x2_from_bytes(byte_perm(
+          e2m1_bytes(first[w], odd), e2m1_bytes(second[w], odd), nibble_pair_selector(byte)));
       if constexpr (kBlockScaled) {
         // The two tokens' scales of this channel's block, byte (slice offset + n) / 16.
         const int block = ((kHeadDim / 8 * (lane() >> 2)) % 16 + n) / 16;
@@ -305,11 +337,8 @@ class MmaDecodeCta : DecodeItem {
       }
       return pair;
     } else if constexpr (kSixBit) {
-      // Channel n of the slice is code n % 4 of the 3-byte group n / 4.
-      const int shift = 6 * (n & 3);
-      const std::uint32_t code0 = bits24(first, 3 * (n >> 2)) >> shift & 0x3Fu;
-      const std::uint32_t code1 = bits24(second, 3 * (n >> 2)) >> shift & 0x3Fu;
-      return fp6x2_to_f16x2<kFormat>(code0 | code1 << 16);
+      // Channel n of the slice is the code at its bit 6n, in both tokens' slices.
+      return fp6_pair(first, 6 * n >> 5, second, 6 * n >> 5, 6 * n & 31);
     } else if constexpr (kElementBytes == 1) {
       const int w = n >> 2, within = n & 3;
       const std::uint32_t pair = byte_perm(first[w], second[w], within < 2 ? 0x5140u : 0x7362u);

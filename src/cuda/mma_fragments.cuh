@@ -141,25 +141,51 @@ __device__ __forceinline__ float exp2_flush(float x) {
 #endif
 }
 
-// Two e2m1 codes, in the low nibbles of bytes 0 and 2 (the other bits are ignored), as f16x2:
-// each code's bits placed into an f16 (sign to bit 15, exponent and mantissa to bits 9-11), which
-// is the code's value times 2^-14 exactly, subnormal codes included.
-__device__ __forceinline__ std::uint32_t e2m1x2_to_f16x2(std::uint32_t codes) {
-  return ((codes & 0x00070007u) << 9) | ((codes & 0x00080008u) << 12);
+// e2m1 codes become f16 by placing their bits (sign at bit 15, exponent and mantissa at bits
+// 9-11), which is the code's value times 2^-14 exactly, subnormal codes included. In two steps,
+// so that most of the work is shared by four codes:
+//   - e2m1_bytes: the four codes of one parity of a word of eight (code i at bits 4i; `odd`:
+//     codes 1, 3, 5, 7, else 0, 2, 4, 6), code 2b + odd placed in byte b: sign at bit 7,
+//     exponent and mantissa at bits 1-3 (the other bits are left as they fall). Two shifts at
+//     most and one logic operation for four codes.
+//   - e2m1x2_from_bytes: bytes 1 and 3 of such a word (or of a byte permute of two) as f16x2,
+//     one logic operation.
+__device__ __forceinline__ std::uint32_t e2m1_bytes(std::uint32_t word, bool odd) {
+  const std::uint32_t sign = odd ? word : word << 4;
+  const std::uint32_t magnitude = odd ? word >> 3 : word << 1;
+  return (sign & 0x80808080u) | (magnitude & 0x7F7F7F7Fu);  // a bit select: one LOP3
 }
 
-// Two fp6 codes, at bits 0-5 and 16-21 (nothing else set), as f16x2: each code's bits placed into
-// an f16 (sign to bit 15; exponent and mantissa so that the mantissas align), which is the code's
-// value times 2^-14 (e2m3) or 2^-12 (e3m2) exactly, subnormal codes included.
+__device__ __forceinline__ std::uint32_t e2m1x2_from_bytes(std::uint32_t bytes) {
+  return bytes & 0x8E008E00u;
+}
+
+// Two fp6 codes, each at bit t (at most 10) of a 16-bit half of `halves` (the other bits
+// ignored), as f16x2: each code's bits placed into an f16 (sign to bit 15; exponent and mantissa
+// so that the mantissas align, at bits 7-11 for e2m3 and 8-12 for e3m2), which is the code's value
+// times 2^-14 (e2m3) or 2^-12 (e3m2) exactly, subnormal codes included. Two shifts (one where
+// they coincide) and two logic operations for the pair.
 template <Format kFormat>
-__device__ __forceinline__ std::uint32_t fp6x2_to_f16x2(std::uint32_t codes) {
+__device__ __forceinline__ std::uint32_t fp6x2_to_f16x2(std::uint32_t halves, int t) {
   static_assert(kFormat == Format::fp6_e2m3 || kFormat == Format::fp6_e3m2);
   constexpr int kShift = kFormat == Format::fp6_e2m3 ? 7 : 8;  // 3 or 2 mantissa bits
-  return ((codes & 0x001F001Fu) << kShift) | ((codes & 0x00200020u) << 10);
+  constexpr std::uint32_t kMagnitude = 0x1Fu << kShift | 0x1Fu << (16 + kShift);
+  const std::uint32_t sign = halves << (10 - t);
+  const std::uint32_t magnitude = t <= kShift ? halves << (kShift - t) : halves >> (t - kShift);
+  return (sign & 0x80008000u) | (magnitude & kMagnitude);
 }
 
-// The byte_perm selector that puts byte k of x in byte 0 and byte k of y in byte 2 (bytes 1 and
-// 3 get the same bytes again; e2m1x2_to_f16x2 ignores them).
+// The 32 bits from bit `shift` of the 64-bit pair (hi:lo).
+__device__ __forceinline__ std::uint32_t funnel_right(std::uint32_t lo, std::uint32_t hi,
+                                                      int shift) {
+#if defined(MJOLNIR_CUDA_EMULATION)
+  return static_cast<std::uint32_t>((std::uint64_t(hi) << 32 | lo) >> shift);
+#else
+  return __funnelshift_r(lo, hi, shift);
+#endif
+}
+
+// The byte_perm selector that puts byte k of x in bytes 0 and 1 and byte k of y in bytes 2 and 3.
 __device__ __forceinline__ std::uint32_t nibble_pair_selector(int k) {
   return std::uint32_t(k) * 0x11u | std::uint32_t(4 + k) * 0x1100u;
 }
