@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One command for a GPU machine (the H200 of the device tool): build the CUDA backend for that
 # GPU, run the GPU tests, the benchmark table against the card's measured copy bandwidth and the
-# PyTorch SDPA baseline, and compute-sanitizer on a subset, within about 8 minutes. Raw results go
+# PyTorch SDPA baseline, compute-sanitizer on a subset, and the Python ops on CUDA tensors (the
+# package built with its CUDA backend), within about 8 minutes. Raw results go
 # under $OUT (8 files at most, as the device tool returns them); a short table is printed last.
 #
 #   scripts/device-check.sh              on the GPU machine, from the repository root
@@ -233,12 +234,35 @@ if [[ -x "$build/tools/mjolnir" ]]; then
   grep -E "^bench status|GPU 0" "$out/bench.log" | tail -2 >>"$summary"
 fi
 
+# --- 7. the Python ops on the GPU ---------------------------------------------------------------
+# The package built with its CUDA backend for this GPU (the image has scikit-build-core, nanobind
+# and pytest; no build isolation, so nothing is fetched), installed into the build folder, then
+# python/tests/test_cuda_ops.py: decode and write_kv on CUDA tensors against the reference and
+# the CPU backend. Its log goes into ctest.log ($OUT takes 8 files).
+note "python: the package with its CUDA backend, then test_cuda_ops.py"
+py_site=$build/python-site
+{
+  echo
+  echo "== python: pip install with MJOLNIR_PYTHON_CUDA=ON for $arch"
+  MJOLNIR_PYTHON_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=$jobs \
+    CMAKE_ARGS="-DMJOLNIR_CUDA_ARCHITECTURES=$arch ${prefix_args[*]}" \
+    staged 200 25 python3 -m pip install -q --no-build-isolation --no-deps --no-compile \
+    --upgrade --target "$py_site" --config-settings=build-dir="$build/python-build" . &&
+    (cd python/tests && PYTHONPATH=$py_site staged 90 5 python3 -m pytest -q \
+      -p no:cacheprovider -rs test_cuda_ops.py)
+  echo "python status $?"
+} >>"$out/ctest.log" 2>&1
+python_line=$(sed -n '/^== python:/,$p' "$out/ctest.log" | grep -E " passed| failed| skipped|rror" |
+  tail -1)
+note "python: ${python_line:-no summary} ($(grep "^python status" "$out/ctest.log" | tail -1))"
+
 # --- the short table ---------------------------------------------------------------------------
 {
   echo
   echo "== device-check summary ($(elapsed) s; raw results in $out)"
   nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader 2>&1 | head -1
   echo "tests: $tests_line"
+  echo "python (CUDA tensors): ${python_line:-no summary}"
   echo "cuda decode (graph replay) vs the measured copy bandwidth:"
   grep -E "^(device:|format |bf16 |fp16 |fp8_|fp6_|fp4_|nvfp4 )" "$out/bench.log" | head -40
   echo "baselines:"

@@ -14,7 +14,9 @@
 #                       is the CUDA build: it pulls the nvidia-* / cuda-* wheels (about 3 GB
 #                       downloaded, 5 GB installed); nothing else is reachable here. A venv that
 #                       already has torch keeps it.
-#   MJOLNIR_PY_CUDA=ON  also build the CUDA backend (needs nvcc; untested on a GPU so far)
+#   MJOLNIR_PY_CUDA=ON  also build the CUDA backend (needs nvcc; its tests, test_cuda_ops.py,
+#                       skip without a GPU; scripts/device-check.sh runs them on one), in
+#                       build-python/<wheel tag>-cuda, for MJOLNIR_PY_CUDA_ARCH (default 90a-real)
 #   MJOLNIR_JOBS        build parallelism (default 2)
 #   MJOLNIR_TEST_SEED   the tests' random seed (default: a new one, printed in pytest's header)
 set -euo pipefail
@@ -44,7 +46,13 @@ echo "python-check: deps ready after $((SECONDS - start)) s"
 
 export CMAKE_BUILD_PARALLEL_LEVEL=${MJOLNIR_JOBS:-2}
 export MJOLNIR_PYTHON_CUDA=${MJOLNIR_PY_CUDA:-OFF}
-"${pip[@]}" install -q --no-build-isolation ./
+build_args=()
+if [[ $MJOLNIR_PYTHON_CUDA == ON ]]; then
+  # A build folder of its own, and one architecture, to keep the compile short.
+  build_args=(--config-settings=build-dir="build-python/{wheel_tag}-cuda"
+    --config-settings=cmake.define.MJOLNIR_CUDA_ARCHITECTURES="${MJOLNIR_PY_CUDA_ARCH:-90a-real}")
+fi
+"${pip[@]}" install -q --no-build-isolation "${build_args[@]}" ./
 echo "python-check: mjolnir built and installed after $((SECONDS - start)) s"
 
 # From another directory, so the tests import the installed package, not python/mjolnir.

@@ -1,0 +1,111 @@
+"""torch.ops.mjolnir on CUDA tensors: decode against the plain PyTorch reference and the CPU
+backend on the same cache, write_kv against the CPU write_kv byte for byte, and the device checks.
+They need a GPU and a build with the CUDA backend (MJOLNIR_PYTHON_CUDA=ON); without either they
+skip, saying which is missing. scripts/device-check.sh builds that and runs them on the GPU
+machine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mjolnir
+from _reference import FORMATS, LAYOUTS
+from test_ops import GRANULARITIES, Problem, rel_err
+
+
+def _missing() -> str:
+    if not mjolnir.has_cuda:
+        return "this build of mjolnir has no CUDA backend (MJOLNIR_PYTHON_CUDA=ON builds it)"
+    if not torch.cuda.is_available():
+        return "no CUDA device visible to torch"
+    return ""
+
+
+pytestmark = pytest.mark.skipif(bool(_missing()), reason=_missing() or "runs")
+
+
+def on_cuda(p: Problem) -> Problem:
+    """The problem's Q and cache moved to the GPU (block table, lengths and scales stay on the
+    host, where the plan is made)."""
+    p.q = p.q.cuda()
+    p.kv_cache = p.kv_cache.cuda()
+    return p
+
+
+@pytest.mark.parametrize("q_len", [1, 4])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_cuda_decode_matches_reference_and_cpu(gen, fmt, q_len):
+    layout = LAYOUTS[(FORMATS.index(fmt) + q_len) % len(LAYOUTS)]
+    granularity = GRANULARITIES[(FORMATS.index(fmt) + q_len) % 3]
+    p = Problem(gen, fmt, layout, q_len, granularity, d=128, max_len=300)
+    on_cpu = p.decode()
+    ref = p.reference()
+    on_cuda(p)
+    out = p.decode()
+    assert out.device.type == "cuda" and out.shape == p.q.shape
+    out = out.cpu()
+    assert torch.isfinite(out).all()
+    err = rel_err(out, ref)
+    assert err < 1e-5, f"{fmt} {layout} q_len={q_len} {granularity}: relative error {err:.3g}"
+    assert rel_err(out, on_cpu.to(torch.float64)) < 1e-5
+
+
+@pytest.mark.parametrize("q_mode,p_mode", [("bf16", "fp32"), ("fp8", "fp32"), ("fp32", "bf16"),
+                                           ("fp8", "fp8")])
+def test_cuda_numerics_modes_match_emulator(gen, q_mode, p_mode):
+    p = Problem(gen, "fp8_e4m3", "B2NHD", 4, "channel", d=128, max_len=300)
+    emulated = p.decode(q_mode=q_mode, p_mode=p_mode, backend="reference")
+    on_cuda(p)
+    out = p.decode(q_mode=q_mode, p_mode=p_mode).cpu()
+    assert rel_err(out, emulated.to(torch.float64)) < 2e-4
+
+
+def test_cuda_split_kv_and_decode_into(gen):
+    """Long sequences cut into chunks (0: as many as fill the GPU), and decode_into a strided
+    bf16 output on the device."""
+    p = Problem(gen, "nvfp4", "BHN2D", 1, "head", d=128, max_len=3000, page_size=32)
+    ref = p.reference()
+    on_cuda(p)
+    for splits in (0, 1, 4):
+        assert rel_err(p.decode(max_splits=splits).cpu(), ref) < 1e-5
+    wide = torch.full((p.q.shape[0], p.q.shape[1] * 2, p.q.shape[2]), float("nan"),
+                      dtype=torch.bfloat16, device="cuda")
+    view = wide[:, 1::2, :]
+    torch.ops.mjolnir.decode_into(view, p.q, p.kv_cache, p.block_table, p.seq_lens, p.k_scale,
+                                  p.v_scale, p.fmt, 1, p.layout)
+    assert rel_err(view.float().cpu(), ref) < 1e-2
+    assert torch.isnan(wide[:, 0::2]).all()  # the rest untouched
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_cuda_write_kv_matches_cpu(gen, fmt):
+    """The device write_kv stores the same bytes as the host one, into every slot it is given
+    and nowhere else (negative slots skipped)."""
+    layout = LAYOUTS[FORMATS.index(fmt) % len(LAYOUTS)]
+    granularity = GRANULARITIES[FORMATS.index(fmt) % 3]
+    p = Problem(gen, fmt, layout, 1, granularity, d=128)
+    pool = torch.randint(0, 256, p.kv_cache.view(torch.uint8).shape, generator=gen,
+                         dtype=torch.uint8)
+    slots = p.slots.clone()
+    slots[::7] = -1
+    host = pool.clone()
+    torch.ops.mjolnir.write_kv(p.k, p.v, host, slots, p.k_scale, p.v_scale, fmt, layout)
+    device = pool.cuda()
+    torch.ops.mjolnir.write_kv(p.k.cuda(), p.v.cuda(), device, slots.cuda(), p.k_scale,
+                               p.v_scale, fmt, layout)
+    torch.cuda.synchronize()
+    assert not torch.equal(host, pool)  # something was written
+    differ = (device.cpu() != host).nonzero()
+    assert differ.numel() == 0, f"{fmt}: {differ.shape[0]} bytes differ, first at {differ[0]}"
+
+
+def test_cuda_tensors_on_mixed_devices_are_rejected(gen):
+    p = Problem(gen, "fp8_e4m3", "2BNHD", 1, "head")
+    q = p.q.cuda()
+    with pytest.raises(ValueError, match="kv_cache: on cpu, but q is on cuda"):
+        torch.ops.mjolnir.decode(q, p.kv_cache, p.block_table, p.seq_lens, p.k_scale,
+                                 p.v_scale, p.fmt, 1, p.layout)
+    with pytest.raises(ValueError, match="kv_cache: on cpu, but key is on cuda"):
+        torch.ops.mjolnir.write_kv(p.k.cuda(), p.v.cuda(), p.kv_cache, p.slots.cuda(),
+                                   p.k_scale, p.v_scale, p.fmt, p.layout)
