@@ -252,6 +252,7 @@ class MmaDecodeCta : DecodeItem {
     if constexpr (kPacked) {
       load_words<kKLoadBytes>(row + tid * kKSliceBytes, words);
     } else {
+#pragma unroll
       for (int chunk = 0; chunk < kKWords / 4; ++chunk) {
         std::uint32_t part[4];
         load_words<kKLoadBytes>(row + k_slice_byte(tid, 4 * chunk), part);
@@ -390,6 +391,7 @@ class MmaDecodeCta : DecodeItem {
   template <typename RowAt>
   __device__ static void load_rows(StepData& data, const RowAt& row_at) {
     const int gid = lane() >> 2, tid = lane() & 3;
+#pragma unroll
     for (int kb = 0; kb < 2; ++kb) {
       const std::uint8_t* row = row_at(kb * 8 + gid, 0);
       load_k_slice(row, tid, data.k[kb]);
@@ -397,6 +399,7 @@ class MmaDecodeCta : DecodeItem {
         data.k_scales[kb] = load_bytes<kKScaleBytes>(row + kHeadDim / 2 + tid * kKScaleBytes);
       }
     }
+#pragma unroll
     for (int vt = 0; vt < 4; ++vt) {
       const std::uint8_t* row = row_at((vt >> 1) * 8 + tid * 2 + (vt & 1), 1);
       load_words<kVLoadBytes>(row + gid * kVSliceBytes, data.v[vt]);
@@ -419,12 +422,14 @@ class MmaDecodeCta : DecodeItem {
   template <MmaLayout kLayout>
   __device__ void walk(WarpState& s) const {
     const int warp = threadIdx.x >> 5, gid = lane() >> 2;
+#pragma unroll
     for (int n = 0; n < kNBlocks; ++n) {
       for (int i = 0; i < 4; ++i) s.o[n][i] = 0.0f;
     }
     // The last position each of the lane's rows may see (causal), inside the item's range; -1
     // for rows past q_len * g.
     int visible[2];
+#pragma unroll
     for (int ri = 0; ri < 2; ++ri) {
       // tokens_on_m: the lane's one row is tid (its N columns 2tid, 2tid + 1).
       const int r =
@@ -488,11 +493,14 @@ class MmaDecodeCta : DecodeItem {
     // S = Q K^T for the step's 16 tokens: n-block kb holds tokens first + kb*8 + 0..7.
     // Each Q term accumulates on its own (independent MMA chains), summed at the end.
     float term_score[kTerms][2][4] = {};
+#pragma unroll
     for (int j = 0; j < kKSteps; ++j) {
       std::uint32_t b[2][2];
       k_operand(data.k[0], data.k_scales[0], j, b[0][0], b[0][1]);
       k_operand(data.k[1], data.k_scales[1], j, b[1][0], b[1][1]);
-      for (int t = 0; t < q_terms_; ++t) {
+#pragma unroll
+      for (int t = 0; t < kTerms; ++t) {
+        if (t >= q_terms_) break;  // a constant bound keeps term_score in registers
         std::uint32_t a[4];
         const std::uint32_t* from = q_frags_ + ((t * kKSteps + j) * 32 + lane()) * 4;
         for (int i = 0; i < 4; ++i) a[i] = from[i];
@@ -501,6 +509,7 @@ class MmaDecodeCta : DecodeItem {
       }
     }
     float score[2][4];
+#pragma unroll
     for (int kb = 0; kb < 2; ++kb) {
       for (int i = 0; i < 4; ++i) {
         score[kb][i] = term_score[0][kb][i];
@@ -510,8 +519,10 @@ class MmaDecodeCta : DecodeItem {
 
     // Scale, mask, and the online softmax per row (a row's 16 scores sit in its 4 lanes).
     float alpha[2];
+#pragma unroll
     for (int ri = 0; ri < 2; ++ri) {
       float row_max = -INFINITY;
+#pragma unroll
       for (int kb = 0; kb < 2; ++kb) {
         for (int i = 0; i < 2; ++i) {
           const int position = first + kb * 8 + tid * 2 + i;
@@ -529,6 +540,7 @@ class MmaDecodeCta : DecodeItem {
       score[1][2 * ri] = row[2], score[1][2 * ri + 1] = row[3];
     }
     if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
+#pragma unroll
       for (int n = 0; n < kNBlocks; ++n) {
         s.o[n][0] *= alpha[0];
         s.o[n][1] *= alpha[0];
@@ -544,9 +556,11 @@ class MmaDecodeCta : DecodeItem {
     split2<kType, kTerms>(score[0][2], score[0][3], pa[1]);
     split2<kType, kTerms>(score[1][0], score[1][1], pa[2]);
     split2<kType, kTerms>(score[1][2], score[1][3], pa[3]);
+#pragma unroll
     for (int n = 0; n < kNBlocks; ++n) {
       const std::uint32_t b0 = v_operand(data.v[0], data.v[1], data.v_scales[0], n);
       const std::uint32_t b1 = v_operand(data.v[2], data.v[3], data.v_scales[1], n);
+#pragma unroll
       for (int t = 0; t < kTerms; ++t) {
         const std::uint32_t a[4] = {pa[0][t], pa[1][t], pa[2][t], pa[3][t]};
         mma_16816<kType>(s.o[n], a, b0, b1);
@@ -563,6 +577,7 @@ class MmaDecodeCta : DecodeItem {
                                        WarpState& s) const {
     const int tid = lane() & 3;
     float acc[2][4] = {};  // n-block kb: c0, c1 term 0 and c2, c3 term 1 of tokens 2tid, 2tid + 1
+#pragma unroll
     for (int j = 0; j < kKSteps; ++j) {
       std::uint32_t b[2][2];
       k_operand(data.k[0], data.k_scales[0], j, b[0][0], b[0][1]);
@@ -575,6 +590,7 @@ class MmaDecodeCta : DecodeItem {
     }
     float score[4];  // tokens 2tid, 2tid + 1 of n-block 0, then of n-block 1
     float row_max = -INFINITY;
+#pragma unroll
     for (int kb = 0; kb < 2; ++kb) {
       for (int i = 0; i < 2; ++i) {
         const int position = first + kb * 8 + tid * 2 + i;
@@ -587,6 +603,7 @@ class MmaDecodeCta : DecodeItem {
     row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 2));
     const float alpha = online_softmax(score, row_max, s.m[0], s.l[0]);
     if (__any_sync(0xffffffffu, alpha != 1.0f)) {
+#pragma unroll
       for (int n = 0; n < kNBlocks; ++n) {
         for (int i = 0; i < 4; ++i) s.o[n][i] *= alpha;
       }
@@ -598,6 +615,7 @@ class MmaDecodeCta : DecodeItem {
     split2<kType, 2>(score[0], score[1], first_pair);
     split2<kType, 2>(score[2], score[3], second_pair);
     const std::uint32_t a[4] = {first_pair[0], first_pair[1], second_pair[0], second_pair[1]};
+#pragma unroll
     for (int n = 0; n < kNBlocks; ++n) {
       const std::uint32_t b0 = v_operand(data.v[0], data.v[1], data.v_scales[0], n);
       const std::uint32_t b1 = v_operand(data.v[2], data.v[3], data.v_scales[1], n);
@@ -617,6 +635,7 @@ class MmaDecodeCta : DecodeItem {
     const int gid = lane() >> 2, tid = lane() & 3;
     // Two accumulator chains (even and odd k-steps) halve the chain of dependent MMAs.
     float acc[2][4] = {};
+#pragma unroll
     for (int j = 0; j < kKSteps; ++j) {
       std::uint32_t k0[2], k1[2];
       k_operand(data.k[0], data.k_scales[0], j, k0[0], k0[1]);  // token gid
@@ -628,6 +647,7 @@ class MmaDecodeCta : DecodeItem {
     // Lane (gid, tid): tokens gid (c0 term 0, c1 term 1) and gid + 8 (c2, c3) of row tid.
     float score[2];
     float row_max = -INFINITY;
+#pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int position = first + 8 * half + gid;
       const float x =
@@ -641,6 +661,7 @@ class MmaDecodeCta : DecodeItem {
     // l: the lane's share of the row's sum; the lanes' shares are added in publish_tokens_on_m.
     const float alpha = online_softmax(score, row_max, s.m[0], s.l[0]);
     if (__any_sync(0xffffffffu, alpha != 1.0f)) {
+#pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt) {
         for (int i = 0; i < 4; ++i) s.o[mt][i] *= alpha;
       }
@@ -661,6 +682,7 @@ class MmaDecodeCta : DecodeItem {
     const bool second_term = (gid & 1) != 0;
     const std::uint32_t b0 = second_term ? low[1] : low[0];
     const std::uint32_t b1 = second_term ? high[1] : high[0];
+#pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt) {
       const std::uint32_t a[4] = {v_operand(data.v[0], data.v[1], data.v_scales[0], 2 * mt),
                                   v_operand(data.v[0], data.v[1], data.v_scales[0], 2 * mt + 1),
@@ -681,12 +703,14 @@ class MmaDecodeCta : DecodeItem {
         s.o[n][2] = s.o[n][3] = 0.0f;
       }
     }
+#pragma unroll
     for (int ri = 0; ri < 2; ++ri) {
       s.l[ri] += __shfl_xor_sync(0xffffffffu, s.l[ri], 1);
       s.l[ri] += __shfl_xor_sync(0xffffffffu, s.l[ri], 2);
     }
     __syncthreads();  // the merge buffers alias Q's, which every warp has finished reading
     float* o = merge_o_ + warp * kMmaRows * kHeadDim;
+#pragma unroll
     for (int n = 0; n < kNBlocks; ++n) {
       for (int i = 0; i < 4; ++i) {
         const int r = gid + 8 * (i >> 1), c = (tid * 2 + (i & 1)) * kNBlocks + n;
@@ -694,6 +718,7 @@ class MmaDecodeCta : DecodeItem {
       }
     }
     if (tid == 0) {
+#pragma unroll
       for (int ri = 0; ri < 2; ++ri) {
         merge_m_[warp * kMmaRows + gid + 8 * ri] = s.m[ri];
         merge_l_[warp * kMmaRows + gid + 8 * ri] = s.l[ri];
@@ -710,6 +735,7 @@ class MmaDecodeCta : DecodeItem {
     }
     __syncthreads();  // the merge buffers alias Q's, which every warp has finished reading
     float* o = merge_o_ + (warp * kMmaRows + tid) * kHeadDim + gid * (kHeadDim / 8);
+#pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt) {
       o[2 * mt] = s.o[mt][0] + s.o[mt][1];
       o[2 * mt + 1] = s.o[mt][2] + s.o[mt][3];
