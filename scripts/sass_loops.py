@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """The loops of a CUDA kernel that issue MMAs, from `cuobjdump -sass` output: their instruction
-counts, the most frequent opcodes, and the branches inside them (so the arms of an if/else in the
-loop can be told apart). For reading what a change did to a decode step loop without a GPU.
+counts, the most frequent opcodes, the branches inside them (so the arms of an if/else in the
+loop can be told apart), and the count without the loop's first if-arm (in the decode step
+loops, the per-row page lookup that steps inside one page skip: what docs/cuda.md counts). For
+reading what a change did to a decode step loop without a GPU.
 
     nvcc -std=c++20 -O3 -DNDEBUG -DMJOLNIR_HAS_CUDA=1 -Iinclude -Isrc -arch=sm_90a -cubin \\
         -o /tmp/decode.cubin src/cuda/decode_launch.cu
@@ -46,6 +48,17 @@ def mma_loops(instructions):
                 yield first, i
 
 
+def if_arm(body):
+    """(start, end) offsets of the loop's first two-way branch (`@P BRA P, ...`) and the
+    unconditional BRA after it that skips the other arm: in the decode step loops, the per-row
+    lookup arm, which steps inside one page skip. Subtracting it gives a one-page step."""
+    start = next((i for i, t in enumerate(body) if re.match(r"@!?P\d+ BRA !?P\d+", t)), None)
+    if start is None:
+        return None
+    end = next((i for i in range(start + 1, len(body)) if re.match(r"BRA ", body[i])), None)
+    return (start, end) if end is not None else None
+
+
 def main() -> int:
     if len(sys.argv) != 3:
         print(__doc__)
@@ -66,6 +79,10 @@ def main() -> int:
             for offset, text in enumerate(body):
                 if "BRA" in text or "BSSY" in text or "BSYNC" in text:
                     print(f"    +{offset}: {text}")
+            arm = if_arm(body)
+            if arm:
+                print(f"    without the arm +{arm[0]}..+{arm[1]}: {len(body) - (arm[1] - arm[0])}"
+                      " instructions")
     if not found:
         print(f"no kernel name contains '{selector}'", file=sys.stderr)
         return 1

@@ -261,7 +261,7 @@ TEST(CudaEmulated, PackedCodesPlacedIntoF16) {
       // Into bytes 1 and 3, as the V operand's permute does (the K operand's are bytes 1 and 3
       // as they are, or shifted there by a byte).
       const std::uint32_t pair =
-          e2m1x2_from_bytes(byte_perm(bytes, bytes, nibble_pair_selector(byte)));
+          e2m1x2_from_bytes(byte_perm(bytes, bytes, byte_pair_selector(byte)));
       SCOPED_TRACE("e2m1 code " + std::to_string(code) + " at " + std::to_string(i));
       EXPECT_EQ(f16(pair), decode_minifloat<kE2M1Spec>(code) * 0x1p-14f);
       EXPECT_EQ(f16(pair >> 16), decode_minifloat<kE2M1Spec>(code) * 0x1p-14f);

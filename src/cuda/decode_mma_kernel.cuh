@@ -276,7 +276,7 @@ class MmaDecodeCta : DecodeItem {
     }
     const int byte = bit >> 3, within = bit & 7;
     if (within <= 2) {  // in one byte: to bytes 1 and 3, the code at bit 8 + within of each half
-      return fp6x2_to_f16x2<kFormat>(byte_perm(x_word, y_word, nibble_pair_selector(byte)),
+      return fp6x2_to_f16x2<kFormat>(byte_perm(x_word, y_word, byte_pair_selector(byte)),
                                      8 + within);
     }
     const std::uint32_t selector = std::uint32_t(byte) | std::uint32_t(byte + 1) << 4 |
@@ -330,7 +330,7 @@ class MmaDecodeCta : DecodeItem {
       const int w = n >> 3, byte = (n & 7) >> 1;
       const bool odd = (n & 1) != 0;
       std::uint32_t pair = e2m1x2_from_bytes(byte_perm(
-          e2m1_bytes(first[w], odd), e2m1_bytes(second[w], odd), nibble_pair_selector(byte)));
+          e2m1_bytes(first[w], odd), e2m1_bytes(second[w], odd), byte_pair_selector(byte)));
       if constexpr (kBlockScaled) {
         // The two tokens' scales of this channel's block, byte (slice offset + n) / 16.
         const int block = ((kHeadDim / 8 * (lane() >> 2)) % 16 + n) / 16;
@@ -391,7 +391,6 @@ class MmaDecodeCta : DecodeItem {
   template <typename RowAt>
   __device__ static void load_rows(StepData& data, const RowAt& row_at) {
     const int gid = lane() >> 2, tid = lane() & 3;
-#pragma unroll
     for (int kb = 0; kb < 2; ++kb) {
       const std::uint8_t* row = row_at(kb * 8 + gid, 0);
       load_k_slice(row, tid, data.k[kb]);
@@ -399,7 +398,6 @@ class MmaDecodeCta : DecodeItem {
         data.k_scales[kb] = load_bytes<kKScaleBytes>(row + kHeadDim / 2 + tid * kKScaleBytes);
       }
     }
-#pragma unroll
     for (int vt = 0; vt < 4; ++vt) {
       const std::uint8_t* row = row_at((vt >> 1) * 8 + tid * 2 + (vt & 1), 1);
       load_words<kVLoadBytes>(row + gid * kVSliceBytes, data.v[vt]);
@@ -429,7 +427,6 @@ class MmaDecodeCta : DecodeItem {
     // The last position each of the lane's rows may see (causal), inside the item's range; -1
     // for rows past q_len * g.
     int visible[2];
-#pragma unroll
     for (int ri = 0; ri < 2; ++ri) {
       // tokens_on_m: the lane's one row is tid (its N columns 2tid, 2tid + 1).
       const int r =
@@ -509,7 +506,6 @@ class MmaDecodeCta : DecodeItem {
       }
     }
     float score[2][4];
-#pragma unroll
     for (int kb = 0; kb < 2; ++kb) {
       for (int i = 0; i < 4; ++i) {
         score[kb][i] = term_score[0][kb][i];
@@ -519,10 +515,8 @@ class MmaDecodeCta : DecodeItem {
 
     // Scale, mask, and the online softmax per row (a row's 16 scores sit in its 4 lanes).
     float alpha[2];
-#pragma unroll
     for (int ri = 0; ri < 2; ++ri) {
       float row_max = -INFINITY;
-#pragma unroll
       for (int kb = 0; kb < 2; ++kb) {
         for (int i = 0; i < 2; ++i) {
           const int position = first + kb * 8 + tid * 2 + i;
@@ -590,7 +584,6 @@ class MmaDecodeCta : DecodeItem {
     }
     float score[4];  // tokens 2tid, 2tid + 1 of n-block 0, then of n-block 1
     float row_max = -INFINITY;
-#pragma unroll
     for (int kb = 0; kb < 2; ++kb) {
       for (int i = 0; i < 2; ++i) {
         const int position = first + kb * 8 + tid * 2 + i;
@@ -647,7 +640,6 @@ class MmaDecodeCta : DecodeItem {
     // Lane (gid, tid): tokens gid (c0 term 0, c1 term 1) and gid + 8 (c2, c3) of row tid.
     float score[2];
     float row_max = -INFINITY;
-#pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int position = first + 8 * half + gid;
       const float x =
@@ -703,7 +695,6 @@ class MmaDecodeCta : DecodeItem {
         s.o[n][2] = s.o[n][3] = 0.0f;
       }
     }
-#pragma unroll
     for (int ri = 0; ri < 2; ++ri) {
       s.l[ri] += __shfl_xor_sync(0xffffffffu, s.l[ri], 1);
       s.l[ri] += __shfl_xor_sync(0xffffffffu, s.l[ri], 2);
@@ -718,7 +709,6 @@ class MmaDecodeCta : DecodeItem {
       }
     }
     if (tid == 0) {
-#pragma unroll
       for (int ri = 0; ri < 2; ++ri) {
         merge_m_[warp * kMmaRows + gid + 8 * ri] = s.m[ri];
         merge_l_[warp * kMmaRows + gid + 8 * ri] = s.l[ri];

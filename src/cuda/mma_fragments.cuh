@@ -186,7 +186,7 @@ __device__ __forceinline__ std::uint32_t funnel_right(std::uint32_t lo, std::uin
 }
 
 // The byte_perm selector that puts byte k of x in bytes 0 and 1 and byte k of y in bytes 2 and 3.
-__device__ __forceinline__ std::uint32_t nibble_pair_selector(int k) {
+__device__ __forceinline__ std::uint32_t byte_pair_selector(int k) {
   return std::uint32_t(k) * 0x11u | std::uint32_t(4 + k) * 0x1100u;
 }
 
