@@ -183,6 +183,7 @@ void ScoresFast(const ItemContext& it, const float* HWY_RESTRICT q,
                 int prefetch_rows) {
   const std::size_t d = std::size_t(it.d);
   const Float4Tag d4;
+  const hn::CappedTag<float, 2> d2;
   const std::size_t chunks = d / ChunkChannels<Dec>();
   const auto scale4 = hn::Set(d4, scale);
   alignas(16) float s0[4], s1[4];
@@ -195,11 +196,21 @@ void ScoresFast(const ItemContext& it, const float* HWY_RESTRICT q,
     for (; r + 4 <= it.rows; r += 4) {
       Float4 a0, a1;
       ScoreBlock4x2<Dec>(q + r * it.ld, it.ld, d, k0, k1, 0, chunks, a0, a1);
-      hn::Store(hn::Mul(a0, scale4), d4, s0);
-      hn::Store(hn::Mul(a1, scale4), d4, s1);
-      for (int j = 0; j < 4; ++j) {
-        scores[(r + j) * stride + t] = s0[j];
-        if (pair) scores[(r + j) * stride + t + 1] = s1[j];
+      a0 = hn::Mul(a0, scale4);
+      a1 = hn::Mul(a1, scale4);
+      float* out = scores + r * stride + t;
+      if (pair) {
+        // Each row's two scores sit side by side: two shuffles and four 8-byte stores, where
+        // eight single-lane stores cost a shuffle each.
+        const auto rows01 = hn::InterleaveLower(d4, a0, a1);  // r0 t, r0 t+1, r1 t, r1 t+1
+        const auto rows23 = hn::InterleaveUpper(d4, a0, a1);
+        hn::StoreU(hn::LowerHalf(d2, rows01), d2, out);
+        hn::StoreU(hn::UpperHalf(d2, rows01), d2, out + stride);
+        hn::StoreU(hn::LowerHalf(d2, rows23), d2, out + 2 * stride);
+        hn::StoreU(hn::UpperHalf(d2, rows23), d2, out + 3 * stride);
+      } else {
+        hn::Store(a0, d4, s0);
+        for (int j = 0; j < 4; ++j) out[j * stride] = s0[j];
       }
     }
     for (; r < it.rows; ++r) {

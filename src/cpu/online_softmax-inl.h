@@ -41,6 +41,7 @@ void SoftmaxTile(const ItemContext& it, float* HWY_RESTRICT scores, float* HWY_R
   const std::size_t n = hn::Lanes(df);
   const std::size_t padded = (std::size_t(count) + n - 1) / n * n;
   const float p_scale = std::ldexp(1.0f, p_exp);
+  const float inv_p_scale = std::ldexp(1.0f, -p_exp);  // exact: a power of two
   for (int r = 0; r < it.rows; ++r) {
     const int t = r / it.g;
     const int last = it.causal ? it.seq_len - it.q_len + t : it.seq_len - 1;
@@ -66,7 +67,7 @@ void SoftmaxTile(const ItemContext& it, float* HWY_RESTRICT scores, float* HWY_R
         sum = hn::Add(sum, pv);
         hn::Store(pv, df, p + i);
       }
-      tile_sum = hn::GetLane(hn::SumOfLanes(df, sum)) / p_scale;
+      tile_sum = hn::GetLane(hn::SumOfLanes(df, sum)) * inv_p_scale;
     } else {
       const auto vscale = hn::Set(df, p_scale);
       const auto fp8_scale = hn::Set(df, 256.0f);
@@ -80,7 +81,12 @@ void SoftmaxTile(const ItemContext& it, float* HWY_RESTRICT scores, float* HWY_R
       }
       tile_sum = hn::GetLane(hn::SumOfLanes(df, sum));
     }
-    const float alpha = std::exp2(m_old - m_new);  // 0 on the row's first tile (m_old = -inf)
+    // 0 on the row's first tile (m_old = -inf). With P in fp32 the polynomial, as for P: a libm
+    // call per row and tile cost more than the row's exponentials for the short tiles of the
+    // 16-bit formats.
+    const float alpha = it.p_mode == PMode::fp32
+                            ? hn::GetLane(Exp2Fast(df, hn::Set(df, m_old - m_new), 0))
+                            : std::exp2(m_old - m_new);
     state.alpha[r] = alpha;
     state.l[r] = state.l[r] * alpha + tile_sum;
     state.m[r] = m_new;

@@ -22,7 +22,7 @@ class TilePrefetcher {
     rows_ = count * num_offsets;
     num_offsets_ = num_offsets;
     row_bytes_ = row_bytes;
-    next_ = 0;
+    next_ = token_ = offset_ = 0;
     // Rows that start on a cache line need row_bytes / 64 lines; others one more.
     aligned_ = row_bytes % 64 == 0;
     for (int i = 0; i < count && aligned_; ++i) aligned_ = (std::uintptr_t(bases[i]) & 63) == 0;
@@ -32,19 +32,21 @@ class TilePrefetcher {
   // Issues the next `n` rows, if any are left.
   inline void Issue(int n) {
     const int stop = std::min(rows_, next_ + n);
-    for (int i = next_; i < stop; ++i) {
-      const std::uint8_t* row = bases_[i / num_offsets_] + offsets_[i % num_offsets_];
+    for (; next_ < stop; ++next_) {
+      const std::uint8_t* row = bases_[token_] + offsets_[offset_];
       // Into L2 (locality 2): the tiles in flight are larger than L1.
       for (std::size_t off = 0; off < row_bytes_; off += 64) __builtin_prefetch(row + off, 0, 2);
       if (!aligned_) __builtin_prefetch(row + row_bytes_ - 1, 0, 2);
+      // Token-major order, kept by counters: a division per row cost more than the prefetch.
+      if (++offset_ == num_offsets_) offset_ = 0, ++token_;
     }
-    next_ = stop;
   }
 
  private:
   const std::uint8_t* const* bases_ = nullptr;
   const std::int64_t* offsets_ = nullptr;
   int rows_ = 0, num_offsets_ = 1, next_ = 0;
+  int token_ = 0, offset_ = 0;  // the row next_ is: token token_, offset offset_
   std::size_t row_bytes_ = 0;
   bool aligned_ = false;
 };
