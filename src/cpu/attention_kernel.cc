@@ -193,6 +193,12 @@ void ScoresFast(const ItemContext& it, const float* HWY_RESTRICT q,
     const std::uint8_t* k0 = bases[t] + offset;
     const std::uint8_t* k1 = pair ? bases[t + 1] + offset : k0;
     int r = 0;
+    for (; r + 8 <= it.rows; r += 8) {
+      ScoreBlock8x1<Dec>(q + r * it.ld, it.ld, d, k0, scale, scores + r * stride + t, stride);
+      if (pair) {
+        ScoreBlock8x1<Dec>(q + r * it.ld, it.ld, d, k1, scale, scores + r * stride + t + 1, stride);
+      }
+    }
     for (; r + 4 <= it.rows; r += 4) {
       Float4 a0, a1;
       ScoreBlock4x2<Dec>(q + r * it.ld, it.ld, d, k0, k1, 0, chunks, a0, a1);

@@ -1,6 +1,7 @@
-// The register blocks of the CPU kernel's fast path (attention_kernel.cc): Q . K for 4 query rows
-// x 2 keys and P . V for 4 rows x 2 vectors, each K/V vector decoded in registers
-// (kv_decode-inl.h) once for all rows. Per-target header, see kv_decode-inl.h.
+// The register blocks of the CPU kernel's fast path (attention_kernel.cc): Q . K for 8 query rows
+// x 1 key (steps with 8 rows or more) and 4 rows x 2 keys, P . V for 4 rows x 2 vectors, each
+// K/V vector decoded in registers (kv_decode-inl.h) once for all rows of the block. Per-target
+// header, see kv_decode-inl.h.
 //
 // Sizes are set by AVX2's 16 vector registers: 8 accumulators (8 independent FMA chains, which
 // two FMA pipes with 4-cycle latency need), 2 decoded vectors, 1 query vector and a constant or
@@ -146,6 +147,50 @@ HWY_INLINE void ScoreBlock4x2(const float* HWY_RESTRICT q, std::size_t qs, std::
   }
   sum0 = Reduce4(df, a00, a10, a20, a30);
   sum1 = Reduce4(df, a01, a11, a21, a31);
+}
+
+// Scores of 8 query rows (qs floats apart) against one K row, for steps with 8 rows or more
+// (GQA groups of 8, speculative q_len): each K vector is decoded once for 8 FMAs rather than 4,
+// and the 8 query vectors come from L1 as the FMAs' memory operands. Measured in isolation on
+// Zen 3 (fp8): 4.7 cycles per 8 FMAs against 5.6 for ScoreBlock4x2. Writes the 8 sums to
+// out[j * stride].
+template <class Dec>
+HWY_INLINE void ScoreBlock8x1(const float* HWY_RESTRICT q, std::size_t qs, std::size_t d,
+                              const std::uint8_t* k, float scale, float* out, std::size_t stride) {
+  using DF = typename Dec::Tag;
+  const DF df;
+  const std::size_t n = hn::Lanes(df);
+  auto a0 = hn::Zero(df), a1 = hn::Zero(df), a2 = hn::Zero(df), a3 = hn::Zero(df);
+  auto a4 = hn::Zero(df), a5 = hn::Zero(df), a6 = hn::Zero(df), a7 = hn::Zero(df);
+  for (std::size_t c = 0; c < d / (Dec::kVectors * n); ++c) {
+    const auto w = Dec::Load(df, k, c, d);
+    const auto u = Dec::Aux(df, k, c, d);
+    const float* qc = q + c * Dec::kVectors * n;
+    const auto step = [&](auto j) HWY_ATTR {
+      const auto x = InRegister(Dec::template Get<decltype(j)::value>(df, w, u));
+      const float* qj = qc + decltype(j)::value * n;
+      a0 = hn::MulAdd(hn::Load(df, qj), x, a0);
+      a1 = hn::MulAdd(hn::Load(df, qj + qs), x, a1);
+      a2 = hn::MulAdd(hn::Load(df, qj + 2 * qs), x, a2);
+      a3 = hn::MulAdd(hn::Load(df, qj + 3 * qs), x, a3);
+      a4 = hn::MulAdd(hn::Load(df, qj + 4 * qs), x, a4);
+      a5 = hn::MulAdd(hn::Load(df, qj + 5 * qs), x, a5);
+      a6 = hn::MulAdd(hn::Load(df, qj + 6 * qs), x, a6);
+      a7 = hn::MulAdd(hn::Load(df, qj + 7 * qs), x, a7);
+    };
+    step(std::integral_constant<std::size_t, 0>());
+    if constexpr (Dec::kVectors > 1) step(std::integral_constant<std::size_t, 1>());
+    if constexpr (Dec::kVectors > 2) {
+      step(std::integral_constant<std::size_t, 2>());
+      step(std::integral_constant<std::size_t, 3>());
+    }
+  }
+  const Float4Tag d4;
+  const auto scale4 = hn::Set(d4, scale);
+  alignas(16) float s[8];
+  hn::Store(hn::Mul(Reduce4(df, a0, a1, a2, a3), scale4), d4, s);
+  hn::Store(hn::Mul(Reduce4(df, a4, a5, a6, a7), scale4), d4, s + 4);
+  for (int j = 0; j < 8; ++j) out[j * stride] = s[j];
 }
 
 // One query row against 2 K rows (rows left over from blocks of 4).
