@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Compares two builds of bench/micro/kernel_rates on this machine: runs them in turn, N rounds,
+# and prints each benchmark's median and best ns per token-head. Interleaving matters on a shared
+# host, where the same binary's rate moves by 10-30% from one minute to the next.
+#   cp build/bench/micro/kernel_rates /tmp/kr_base   # before the change
+#   ... change, rebuild ...
+#   scripts/kernel_rates_ab.sh /tmp/kr_base build/bench/micro/kernel_rates 'Decode/fp8_e4m3/g4' 5
+set -euo pipefail
+if [[ $# -lt 3 ]]; then
+  sed -n '2,7p' "$0" >&2
+  exit 2
+fi
+base=$1 new=$2 filter=$3 rounds=${4:-5}
+for ((i = 0; i < rounds; ++i)); do
+  for tag in base new; do
+    bin=$base
+    [[ $tag == new ]] && bin=$new
+    "$bin" --benchmark_filter="$filter" 2>/dev/null |
+      awk -v tag="$tag" '/^Decode/ { for (i = 1; i <= NF; ++i) if ($i ~ /^ns_per_token_head=/) {
+        split($i, kv, "="); print tag, $1, kv[2] + 0 } }'
+  done
+done | python3 -c '
+import collections, statistics, sys
+runs = collections.defaultdict(list)
+for line in sys.stdin:
+    tag, name, ns = line.split()
+    runs[name, tag].append(float(ns))
+for name in sorted({name for name, _ in runs}):
+    b, n = runs[name, "base"], runs[name, "new"]
+    print(f"{name:36s} median {statistics.median(b):7.2f} -> {statistics.median(n):7.2f}"
+          f"  best {min(b):7.2f} -> {min(n):7.2f}  ({len(b)} rounds)")
+'
