@@ -5,9 +5,10 @@
 #   cp build/bench/micro/kernel_rates /tmp/kr_base   # before the change
 #   ... change, rebuild ...
 #   scripts/kernel_rates_ab.sh /tmp/kr_base build/bench/micro/kernel_rates 'Decode/fp8_e4m3/g4' 5
+# Extra kernel_rates flags go in KERNEL_RATES_ARGS, e.g. KERNEL_RATES_ARGS=--target=AVX2.
 set -euo pipefail
 if [[ $# -lt 3 ]]; then
-  sed -n '2,7p' "$0" >&2
+  sed -n '2,8p' "$0" >&2
   exit 2
 fi
 base=$1 new=$2 filter=$3 rounds=${4:-5}
@@ -15,7 +16,8 @@ for ((i = 0; i < rounds; ++i)); do
   for tag in base new; do
     bin=$base
     [[ $tag == new ]] && bin=$new
-    "$bin" --benchmark_filter="$filter" 2>/dev/null |
+    # shellcheck disable=SC2086  # the extra flags are meant to split
+    "$bin" --benchmark_filter="$filter" ${KERNEL_RATES_ARGS:-} 2>/dev/null |
       awk -v tag="$tag" '/^Decode/ { for (i = 1; i <= NF; ++i) if ($i ~ /^ns_per_token_head=/) {
         split($i, kv, "="); print tag, $1, kv[2] + 0 } }'
   done

@@ -4,7 +4,10 @@
 // bandwidth. Times are the thread's CPU time, so other processes sharing the cores inflate them
 // less than wall time.
 //
-//   build/bench/micro/kernel_rates --benchmark_filter=Decode
+//   build/bench/micro/kernel_rates --benchmark_filter=Decode [--target=AVX2]
+//
+// --target=NAME runs the kernel compiled for Highway target NAME (one of cpu::kernel_targets())
+// rather than the best this CPU supports, e.g. AVX2 on an AVX-512 machine.
 //
 // Counters: ns_per_token_head (one KV token of one KV head: K and V rows, all g x q_len query
 // rows), fma_floor_ns (the same work's 2 x g x q_len x D fp32 multiply-adds at the measured FMA
@@ -12,8 +15,15 @@
 #include <benchmark/benchmark.h>
 
 #include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <string>
 #include <vector>
 
+#include "hwy/targets.h"
+
+#include "cpu/attention_kernel.h"
 #include "cpu/compute_peak.h"
 #include "mjolnir/decode.h"
 #include "mjolnir/plan.h"
@@ -78,7 +88,36 @@ const int registered = [] {
   return 0;
 }();
 
+// Disables every target better than `name`; false if no compiled target has that name.
+bool limit_to_target(const std::string& name) {
+  for (std::int64_t targets = HWY_TARGETS; targets != 0; targets &= targets - 1) {
+    const std::int64_t target = targets & -targets;
+    if (name == hwy::TargetName(target)) {
+      hwy::DisableTargets(target - 1);  // lower bits are the better targets
+      return true;
+    }
+  }
+  return false;
+}
+
 }  // namespace
 }  // namespace mjolnir
 
-BENCHMARK_MAIN();
+int main(int argc, char** argv) {
+  std::vector<char*> args;
+  for (int i = 0; i < argc; ++i) {
+    if (std::strncmp(argv[i], "--target=", 9) != 0) {
+      args.push_back(argv[i]);
+    } else if (!mjolnir::limit_to_target(argv[i] + 9)) {
+      std::fprintf(stderr, "kernel_rates: --target: no compiled target named '%s'\n", argv[i] + 9);
+      return 2;
+    }
+  }
+  int count = int(args.size());
+  benchmark::Initialize(&count, args.data());
+  if (benchmark::ReportUnrecognizedArguments(count, args.data())) return 1;
+  benchmark::AddCustomContext("kernel_target", mjolnir::cpu::kernel_target());
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
