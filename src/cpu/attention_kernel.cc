@@ -173,58 +173,105 @@ float MaxAbs(const float* HWY_RESTRICT x, std::size_t count) {
 
 // --- scores -------------------------------------------------------------------------------------
 
+// Stores the scores of 4 rows (`stride` apart) for keys t (a0) and t + 1 (a1) at out[row * stride]
+// and out[row * stride + 1]: each row's two scores sit side by side, so two shuffles and four
+// 8-byte stores do it, where eight single-lane stores cost a shuffle each.
+HWY_INLINE void StoreRowPairs(Float4 a0, Float4 a1, float* out, std::size_t stride) {
+  const Float4Tag d4;
+  const hn::CappedTag<float, 2> d2;
+  const auto rows01 = hn::InterleaveLower(d4, a0, a1);  // r0 t, r0 t+1, r1 t, r1 t+1
+  const auto rows23 = hn::InterleaveUpper(d4, a0, a1);
+  hn::StoreU(hn::LowerHalf(d2, rows01), d2, out);
+  hn::StoreU(hn::UpperHalf(d2, rows01), d2, out + stride);
+  hn::StoreU(hn::LowerHalf(d2, rows23), d2, out + 2 * stride);
+  hn::StoreU(hn::UpperHalf(d2, rows23), d2, out + 3 * stride);
+}
+
+// Stores the scores of 4 rows for one key at out[row * stride].
+HWY_INLINE void StoreRowColumn(Float4 a, float* out, std::size_t stride) {
+  alignas(16) float s[4];
+  hn::Store(a, Float4Tag(), s);
+  for (int j = 0; j < 4; ++j) out[j * stride] = s[j];
+}
+
+// Stores key i's scores for rows 0..3 (s0 .. s3, times scale) at out[row * stride + i]: a 4 x 4
+// transpose, then one 16-byte store per row.
+HWY_INLINE void StoreRowQuads(Float4 s0, Float4 s1, Float4 s2, Float4 s3, Float4 scale, float* out,
+                              std::size_t stride) {
+  const Float4Tag d4;
+  const hn::Repartition<std::uint64_t, Float4Tag> d64;
+  s0 = hn::Mul(s0, scale), s1 = hn::Mul(s1, scale), s2 = hn::Mul(s2, scale),
+  s3 = hn::Mul(s3, scale);
+  const auto rows01_keys01 = hn::BitCast(d64, hn::InterleaveLower(d4, s0, s1));
+  const auto rows01_keys23 = hn::BitCast(d64, hn::InterleaveLower(d4, s2, s3));
+  const auto rows23_keys01 = hn::BitCast(d64, hn::InterleaveUpper(d4, s0, s1));
+  const auto rows23_keys23 = hn::BitCast(d64, hn::InterleaveUpper(d4, s2, s3));
+  hn::StoreU(hn::BitCast(d4, hn::InterleaveLower(d64, rows01_keys01, rows01_keys23)), d4, out);
+  hn::StoreU(hn::BitCast(d4, hn::InterleaveUpper(d64, rows01_keys01, rows01_keys23)), d4,
+             out + stride);
+  hn::StoreU(hn::BitCast(d4, hn::InterleaveLower(d64, rows23_keys01, rows23_keys23)), d4,
+             out + 2 * stride);
+  hn::StoreU(hn::BitCast(d4, hn::InterleaveUpper(d64, rows23_keys01, rows23_keys23)), d4,
+             out + 3 * stride);
+}
+
 // Fast path: scores[r][first + t] = scale * q_r . k_t for the count K rows at bases[t] + offset,
 // with kernel-ready Q [R][D] (the decoder's channel order, folded power of two). The K rows of
-// the next tile are prefetched along the way, `prefetch_rows` rows per pair of keys.
+// the next tile are prefetched along the way, `prefetch_per_key` rows per key.
 template <class Dec>
 void ScoresFast(const ItemContext& it, const float* HWY_RESTRICT q,
                 const std::uint8_t* const* bases, std::int64_t offset, int count, float scale,
                 float* HWY_RESTRICT scores, std::size_t stride, TilePrefetcher& prefetch,
-                int prefetch_rows) {
+                int prefetch_per_key) {
   const std::size_t d = std::size_t(it.d);
-  const Float4Tag d4;
-  const hn::CappedTag<float, 2> d2;
   const std::size_t chunks = d / ChunkChannels<Dec>();
-  const auto scale4 = hn::Set(d4, scale);
-  alignas(16) float s0[4], s1[4];
-  for (int t = 0; t < count; t += 2) {
-    prefetch.Issue(prefetch_rows);
-    const bool pair = t + 1 < count;
-    const std::uint8_t* k0 = bases[t] + offset;
-    const std::uint8_t* k1 = pair ? bases[t + 1] + offset : k0;
+  const auto scale4 = hn::Set(Float4Tag(), scale);
+  // Keys per block of 4 rows: 4 where 32 registers hold a 4 x 4 block (whose loop takes 4
+  // vectors per step), else 2.
+  constexpr int kKeys = kWideRegisterFile ? 4 : 2;
+  const bool quads = d % (4 * hn::Lanes(typename Dec::Tag())) == 0;
+  // Keys t .. t + keys - 1 (keys 1 to kKeys) against every row.
+  const auto score_keys = [&](int t, int keys) HWY_ATTR {
+    prefetch.Issue(keys * prefetch_per_key);
+    const std::uint8_t* k[4];
+    for (int i = 0; i < 4; ++i) k[i] = bases[t + std::min(i, keys - 1)] + offset;
     int r = 0;
     for (; r + 8 <= it.rows; r += 8) {
-      ScoreBlock8x1<Dec>(q + r * it.ld, it.ld, d, k0, scale, scores + r * stride + t, stride);
-      if (pair) {
-        ScoreBlock8x1<Dec>(q + r * it.ld, it.ld, d, k1, scale, scores + r * stride + t + 1, stride);
+      for (int i = 0; i < keys; ++i) {
+        ScoreBlock8x1<Dec>(q + r * it.ld, it.ld, d, k[i], scale, scores + r * stride + t + i,
+                           stride);
       }
     }
     for (; r + 4 <= it.rows; r += 4) {
-      Float4 a0, a1;
-      ScoreBlock4x2<Dec>(q + r * it.ld, it.ld, d, k0, k1, 0, chunks, a0, a1);
-      a0 = hn::Mul(a0, scale4);
-      a1 = hn::Mul(a1, scale4);
       float* out = scores + r * stride + t;
-      if (pair) {
-        // Each row's two scores sit side by side: two shuffles and four 8-byte stores, where
-        // eight single-lane stores cost a shuffle each.
-        const auto rows01 = hn::InterleaveLower(d4, a0, a1);  // r0 t, r0 t+1, r1 t, r1 t+1
-        const auto rows23 = hn::InterleaveUpper(d4, a0, a1);
-        hn::StoreU(hn::LowerHalf(d2, rows01), d2, out);
-        hn::StoreU(hn::UpperHalf(d2, rows01), d2, out + stride);
-        hn::StoreU(hn::LowerHalf(d2, rows23), d2, out + 2 * stride);
-        hn::StoreU(hn::UpperHalf(d2, rows23), d2, out + 3 * stride);
-      } else {
-        hn::Store(a0, d4, s0);
-        for (int j = 0; j < 4; ++j) out[j * stride] = s0[j];
+      if constexpr (kKeys == 4) {
+        if (keys == 4 && quads) {
+          Float4 s0, s1, s2, s3;
+          ScoreBlock4x4<Dec>(q + r * it.ld, it.ld, d, k, s0, s1, s2, s3);
+          StoreRowQuads(s0, s1, s2, s3, scale4, out, stride);
+          continue;
+        }
+      }
+      for (int i = 0; i < keys; i += 2) {
+        Float4 a0, a1;
+        ScoreBlock4x2<Dec>(q + r * it.ld, it.ld, d, k[i], k[i + 1], 0, chunks, a0, a1);
+        if (i + 1 < keys) {
+          StoreRowPairs(hn::Mul(a0, scale4), hn::Mul(a1, scale4), out + i, stride);
+        } else {
+          StoreRowColumn(hn::Mul(a0, scale4), out + i, stride);
+        }
       }
     }
     for (; r < it.rows; ++r) {
-      ScoreBlock1x2<Dec>(q + r * it.ld, d, k0, k1, s0, s1);
-      scores[r * stride + t] = s0[0] * scale;
-      if (pair) scores[r * stride + t + 1] = s1[0] * scale;
+      for (int i = 0; i < keys; i += 2) {
+        float s0, s1;
+        ScoreBlock1x2<Dec>(q + r * it.ld, d, k[i], k[i + 1], &s0, &s1);
+        scores[r * stride + t + i] = s0 * scale;
+        if (i + 1 < keys) scores[r * stride + t + i + 1] = s1 * scale;
+      }
     }
-  }
+  };
+  for (int t = 0; t < count; t += kKeys) score_keys(t, std::min(kKeys, count - t));
 }
 
 // --- P . V ---------------------------------------------------------------------------------------
@@ -258,6 +305,15 @@ void AccumulateValues(const ItemContext& it, const float* HWY_RESTRICT probs, st
     const float* p = probs + std::size_t(r) * stride;
     float* a = acc + r * it.ld;
     const float* al = alpha != nullptr ? alpha + r : nullptr;
+    if constexpr (kWideRegisterFile) {
+      if (vectors % 4 == 0) {
+        for (std::size_t v = 0; v < vectors; v += 4) {
+          prefetch.Issue(2 * prefetch_rows);  // a pass of 4 vectors does the work of 2 pairs
+          ValueBlock4x4<Dec>(p, stride, bases, offset, count, d, a, it.ld, al, v);
+        }
+        continue;
+      }
+    }
     each_pair([&](std::size_t v, std::size_t c, auto j) HWY_ATTR {
       ValueBlock4x2<Dec, decltype(j)::value>(p, stride, bases, offset, count, d, a, it.ld, al, v,
                                              c);
@@ -435,8 +491,7 @@ void RunUnit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, in
     // accumulate, the next tile's K rows are. Each phase's prefetch is one phase ahead, and its
     // rows (all heads of a tile) fit in L2 beside the rows being used.
     prefetcher.Reset(bases, count, v_offsets, heads, head_state[0].it.row_bytes);
-    const int pairs = heads * ((count + 1) / 2);
-    int prefetch_rows = (prefetcher.rows() + pairs - 1) / pairs;
+    int prefetch_rows = (prefetcher.rows() + heads * count - 1) / (heads * count);  // per key
 
     // 1 and 2: scores and softmax, head by head; each head's P stays for step 3.
     for (int h = 0; h < heads; ++h) {
@@ -451,7 +506,7 @@ void RunUnit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, in
           const int sub = std::min(kSubTokens, count - t0);
           // True values in natural channel order for the emulator's summation order.
           for (int t = 0; t < sub; ++t) {
-            prefetcher.Issue((prefetch_rows + 1) / 2);
+            prefetcher.Issue(prefetch_rows);
             DecodeRow<Decoder>(bases[t0 + t] + hs.k_offset, d, keys);
             float* dst = keys_natural + std::size_t(t) * d;
             if (natural) {

@@ -38,6 +38,16 @@ HWY_INLINE V InRegister(V v) {
   return v;
 }
 
+// Targets with 32 vector registers (AVX-512, NEON) run 4 x 4 blocks: 16 accumulators, 4
+// decoded vectors and a query or probability vector fit, and each query load or probability
+// broadcast then serves 4 FMAs instead of 2. AVX2 and SSE4 have 16 registers. SVE has 32 too, but
+// its sizeless vectors cannot form the arrays the 4 x 4 blocks are written with.
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL || HWY_TARGET == HWY_NEON
+inline constexpr bool kWideRegisterFile = true;
+#else
+inline constexpr bool kWideRegisterFile = false;
+#endif
+
 using Float4Tag = hn::CappedTag<float, 4>;
 using Float4 = hn::Vec<Float4Tag>;
 
@@ -160,6 +170,49 @@ HWY_INLINE void ScoreBlock4x2(const float* HWY_RESTRICT q, std::size_t qs, std::
   }
   sum0 = Reduce4(df, a00, a10, a20, a30);
   sum1 = Reduce4(df, a01, a11, a21, a31);
+}
+
+// Vector v0 + kJ of a K or V row, v0 a multiple of 4: vectors of one decoder chunk share its
+// loads (the compiler merges them), since every decoder has 1, 2 or 4 vectors per chunk.
+template <class Dec, std::size_t kJ, class DF>
+HWY_INLINE hn::Vec<DF> RowVector(DF df, const std::uint8_t* row, std::size_t v0, std::size_t d) {
+  static_assert(4 % Dec::kVectors == 0);
+  const std::size_t c = v0 / Dec::kVectors + kJ / Dec::kVectors;
+  return Dec::template Get<kJ % Dec::kVectors>(df, Dec::Load(df, row, c, d),
+                                               Dec::Aux(df, row, c, d));
+}
+
+// Scores of 4 query rows (qs floats apart) against the K rows k[0..3], for targets with 32
+// registers: 16 FMA chains, each query vector loaded once for 4 FMAs and each K vector decoded
+// once for 4; d must be a multiple of 4 vectors. sum0 .. sum3 hold keys 0 .. 3's
+// sums for rows 0..3.
+template <class Dec>
+HWY_INLINE void ScoreBlock4x4(const float* HWY_RESTRICT q, std::size_t qs, std::size_t d,
+                              const std::uint8_t* const* k, Float4& sum0, Float4& sum1,
+                              Float4& sum2, Float4& sum3) {
+  using DF = typename Dec::Tag;
+  const DF df;
+  const std::size_t n = hn::Lanes(df);
+  hn::Vec<DF> a[4][4];
+  for (auto& row : a) {
+    for (auto& acc : row) acc = hn::Zero(df);
+  }
+  for (std::size_t v0 = 0; v0 < d / n; v0 += 4) {
+    const auto step = [&](auto j) HWY_ATTR {
+      constexpr std::size_t kJ = decltype(j)::value;
+      hn::Vec<DF> x[4];
+      for (int i = 0; i < 4; ++i) x[i] = RowVector<Dec, kJ>(df, k[i], v0, d);
+      for (int r = 0; r < 4; ++r) {
+        const auto qv = hn::Load(df, q + r * qs + (v0 + kJ) * n);
+        for (int i = 0; i < 4; ++i) a[r][i] = hn::MulAdd(qv, x[i], a[r][i]);
+      }
+    };
+    CallWithEach(step, std::make_index_sequence<4>());
+  }
+  sum0 = Reduce4(df, a[0][0], a[1][0], a[2][0], a[3][0]);
+  sum1 = Reduce4(df, a[0][1], a[1][1], a[2][1], a[3][1]);
+  sum2 = Reduce4(df, a[0][2], a[1][2], a[2][2], a[3][2]);
+  sum3 = Reduce4(df, a[0][3], a[1][3], a[2][3], a[3][3]);
 }
 
 // Scores of 8 query rows (qs floats apart) against one K row, for steps with 8 rows or more
@@ -293,6 +346,41 @@ HWY_INLINE void ValueBlock4x2(const float* HWY_RESTRICT p, std::size_t p_stride,
   hn::Store(a10, df, a1p), hn::Store(a11, df, a1p + n);
   hn::Store(a20, df, a2p), hn::Store(a21, df, a2p + n);
   hn::Store(a30, df, a3p), hn::Store(a31, df, a3p + n);
+}
+
+// As ValueBlock4x2 for the 4 vectors v0 .. v0 + 3 (v0 a multiple of 4), on targets with 32
+// registers: 16 FMA chains, each probability broadcast serving 4 FMAs.
+template <class Dec>
+HWY_INLINE void ValueBlock4x4(const float* HWY_RESTRICT p, std::size_t p_stride,
+                              const std::uint8_t* const* bases, std::int64_t offset, int count,
+                              std::size_t d, float* HWY_RESTRICT acc, std::size_t as,
+                              const float* alpha, std::size_t v0) {
+  using DF = typename Dec::Tag;
+  const DF df;
+  const std::size_t n = hn::Lanes(df);
+  hn::Vec<DF> a[4][4];
+  for (int r = 0; r < 4; ++r) {
+    const auto s = hn::Set(df, alpha != nullptr ? alpha[r] : 1.0f);
+    for (int i = 0; i < 4; ++i) {
+      a[r][i] = hn::Load(df, acc + r * as + (v0 + i) * n);
+      if (alpha != nullptr) a[r][i] = hn::Mul(a[r][i], s);
+    }
+  }
+  for (int t = 0; t < count; ++t) {
+    const std::uint8_t* row = bases[t] + offset;
+    hn::Vec<DF> x[4];
+    const auto decode = [&](auto j) HWY_ATTR {
+      x[decltype(j)::value] = RowVector<Dec, decltype(j)::value>(df, row, v0, d);
+    };
+    CallWithEach(decode, std::make_index_sequence<4>());
+    for (int r = 0; r < 4; ++r) {
+      const auto pr = hn::Set(df, p[r * p_stride + t]);
+      for (int i = 0; i < 4; ++i) a[r][i] = hn::MulAdd(pr, x[i], a[r][i]);
+    }
+  }
+  for (int r = 0; r < 4; ++r) {
+    for (int i = 0; i < 4; ++i) hn::Store(a[r][i], df, acc + r * as + (v0 + i) * n);
+  }
 }
 
 // One row's share (rows left over from blocks of 4).
