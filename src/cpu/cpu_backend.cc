@@ -80,10 +80,18 @@ void merge_parts_row(const float* part_o, const float* part_stats, std::size_t o
   // cost a few microseconds of a 256-token step. The double rounding of the quotient stays far
   // below the fp32 result's.
   for (int s = 0; s < parts; ++s) weights[s] /= total;
-  for (int c = 0; c < d; ++c) {
-    double sum = 0;
-    for (int s = 0; s < parts; ++s) sum += weights[s] * part_o[s * o_stride + c];
-    o[c] = static_cast<float>(sum);
+  // Blocks of channels with the parts' loop outside, so the compiler vectorizes over channels: a
+  // channel at a time, it took about 5% of the CPU time of a 256-token step on two threads, on the
+  // calling thread after the others finish. Each channel's sum still adds the parts in order.
+  constexpr int kBlock = 32;
+  for (int c0 = 0; c0 < d; c0 += kBlock) {
+    const int n = std::min(kBlock, d - c0);
+    double sum[kBlock] = {};
+    for (int s = 0; s < parts; ++s) {
+      const float* src = part_o + s * o_stride + c0;
+      for (int c = 0; c < n; ++c) sum[c] += weights[s] * src[c];
+    }
+    for (int c = 0; c < n; ++c) o[c0 + c] = static_cast<float>(sum[c]);
   }
   if (lse) {
     *lse = static_cast<float>((max_m + std::log2(total)) * std::numbers::ln2_v<double>);
