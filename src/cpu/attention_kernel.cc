@@ -6,10 +6,12 @@
 // online-softmax tile: the plan's with P rounded, as the emulator runs it; with P in fp32 at most
 // the plan's, sized to stay in L2, see FastPathTile). Per tile:
 //   1. For each head, Q . K: K rows are decoded in registers (kv_decode-inl.h: the format's
-//      channel order and a power-of-two scale, both folded into Q) and fed to 4-row x 2-key
-//      register blocks of fp32 FMAs (kernel_blocks-inl.h): each K byte is read once for all R
-//      rows. Then the online softmax of the tile (online_softmax-inl.h).
-//   2. For each head, P . V: V rows decoded the same way, accumulated by 4-row x 2-vector blocks.
+//      channel order and a power-of-two scale, both folded into Q) and fed to register blocks
+//      of fp32 FMAs (kernel_blocks-inl.h: 8 rows x 1 key, 4 x 2, or 4 x 4 with 32 registers):
+//      each K byte is read once for all R rows. Then the online softmax of the tile
+//      (online_softmax-inl.h).
+//   2. For each head, P . V: V rows decoded the same way, accumulated by 4-row x 2-vector blocks
+//      (4 x 4 with 32 registers).
 // The tile's V rows are prefetched while its scores compute, and the next tile's K rows while
 // its values accumulate (tile_prefetcher.h): pages are scattered through the block table, so no
 // hardware prefetcher can follow a sequence from one page to the next.
@@ -200,7 +202,9 @@ HWY_INLINE void StoreRowQuads(Float4 s0, Float4 s1, Float4 s2, Float4 s3, Float4
                               std::size_t stride) {
   const Float4Tag d4;
   const hn::Repartition<std::uint64_t, Float4Tag> d64;
-  s0 = hn::Mul(s0, scale), s1 = hn::Mul(s1, scale), s2 = hn::Mul(s2, scale),
+  s0 = hn::Mul(s0, scale);
+  s1 = hn::Mul(s1, scale);
+  s2 = hn::Mul(s2, scale);
   s3 = hn::Mul(s3, scale);
   const auto rows01_keys01 = hn::BitCast(d64, hn::InterleaveLower(d4, s0, s1));
   const auto rows01_keys23 = hn::BitCast(d64, hn::InterleaveLower(d4, s2, s3));

@@ -1,7 +1,7 @@
 // The register blocks of the CPU kernel's fast path (attention_kernel.cc): Q . K for 8 query rows
-// x 1 key (steps with 8 rows or more) and 4 rows x 2 keys, P . V for 4 rows x 2 vectors, each
-// K/V vector decoded in registers (kv_decode-inl.h) once for all rows of the block. Per-target
-// header, see kv_decode-inl.h.
+// x 1 key (steps with 8 rows or more) and 4 rows x 2 keys, P . V for 4 rows x 2 vectors, and on
+// targets with 32 vector registers 4 x 4 blocks of both, each K/V vector decoded in registers
+// (kv_decode-inl.h) once for all rows of the block. Per-target header, see kv_decode-inl.h.
 //
 // Sizes are set by AVX2's 16 vector registers: 8 accumulators (8 independent FMA chains, which
 // two FMA pipes with 4-cycle latency need), 2 decoded vectors, 1 query vector and a constant or
