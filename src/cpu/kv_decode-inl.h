@@ -44,12 +44,17 @@ namespace hn = hwy::HWY_NAMESPACE;
 // (AVX-512) always divide it.
 using WideFloatTag = hn::CappedTag<float, 16>;
 
-// Lanes of the decoders that unpack 128-bit blocks (fp6) or whose vectors must not span two
-// nvfp4 scale blocks: two blocks on AVX2 and AVX-512 (which uses the same 256-bit code), one
+// Lanes of the fp6 and nvfp4 decoders: 16 on AVX-512; on AVX2 8, two 128-bit blocks (fp6
+// unpacks each block on its own; nvfp4's vectors must not span two scale blocks there); 4
 // elsewhere (SSE4, NEON, SVE).
-#if HWY_TARGET == HWY_AVX2 || HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+#define MJOLNIR_WIDE_FP6 1
+inline constexpr std::size_t kBlockLanes = 16;
+#elif HWY_TARGET == HWY_AVX2
+#define MJOLNIR_WIDE_FP6 0
 inline constexpr std::size_t kBlockLanes = 8;
 #else
+#define MJOLNIR_WIDE_FP6 0
 inline constexpr std::size_t kBlockLanes = 4;
 #endif
 using BlockFloatTag = hn::CappedTag<float, kBlockLanes>;
@@ -195,8 +200,10 @@ struct DecodeE2M1 {
 struct DecodeNvfp4 {
   // value = e2m1 * block scale. The block scale (e4m3, one per 16 channels, after the D/2 code
   // bytes) is looked up times 2^64, so the exact product raw(e2m1) * scale * 2^64 =
-  // value * 2^-62 is a normal fp32 for every non-zero code. One FMA per vector; vectors of
-  // at most 8 lanes keep a chunk (2n channels) inside one block.
+  // value * 2^-62 is a normal fp32 for every non-zero code. One FMA per vector. A chunk of 2n
+  // channels spans 2n / 16 scale blocks, and lane l of both its vectors comes from byte l, so
+  // its scale vector holds each block's scale in n / (2n / 16) consecutive lanes: one block
+  // (n = 8: AVX2) or two (n = 16: AVX-512).
   static constexpr int kScaleExp = 64;
   static constexpr int kRawExp = -126 + kScaleExp;
   static constexpr std::size_t kVectors = 2;
@@ -211,8 +218,16 @@ struct DecodeNvfp4 {
   static HWY_INLINE hn::Vec<DF> Aux(DF df, const std::uint8_t* row, std::size_t chunk,
                                     std::size_t head_dim) {
     static constexpr auto kScales = e4m3_value_table<kScaleExp>();
-    const std::size_t channel = chunk * 2 * hn::Lanes(df);
-    return hn::Set(df, kScales[row[head_dim / 2 + channel / kNvfp4BlockSize]]);
+    const std::uint8_t* scale_codes =
+        row + head_dim / 2 + chunk * 2 * hn::Lanes(df) / kNvfp4BlockSize;
+    if constexpr (hn::MaxLanes(df) == 16) {
+      const hn::Half<DF> dh;
+      return hn::Combine(df, hn::Set(dh, kScales[scale_codes[1]]),
+                         hn::Set(dh, kScales[scale_codes[0]]));
+    } else {
+      static_assert(hn::MaxLanes(df) <= 8);
+      return hn::Set(df, kScales[scale_codes[0]]);
+    }
   }
   template <std::size_t kJ, class DF, class VR>
   static HWY_INLINE hn::Vec<DF> Get(DF df, VR bytes32, hn::Vec<DF> scale) {
@@ -282,8 +297,66 @@ struct DecodeFp6 {
   }
 };
 
+// AVX-512: a chunk is 8 groups (32 channels, 24 bytes) in two 16-lane vectors. One masked load
+// (it never reads past the 24 bytes, so never outside the row), a dword permute that puts groups
+// 0-3 into 128-bit blocks 0 and 2 and groups 4-7 into blocks 1 and 3, and the byte shuffle above
+// give lane l group l % 8; vector j then takes code 2j in lanes 0-7 and code 2j + 1 in lanes
+// 8-15 with one variable shift, then the arithmetic shift and mask as above.
+template <int kExponentBits>
+struct DecodeFp6Wide {
+  static constexpr int kMantissaBits = 5 - kExponentBits;
+  static constexpr int kRawExp = DecodeFp6<kExponentBits>::kRawExp;
+  static constexpr std::size_t kVectors = 2;
+  using Tag = WideFloatTag;
+
+  // Channel (within its chunk) of lane `lane` of vector j.
+  static constexpr std::size_t Channel(std::size_t j, std::size_t lane, std::size_t /* n */) {
+    return 4 * (lane % 8) + 2 * j + lane / 8;
+  }
+
+  template <class DF>
+  static HWY_INLINE hn::Vec<hn::RebindToSigned<DF>> Load(DF, const std::uint8_t* row,
+                                                         std::size_t chunk, std::size_t) {
+    const hn::RebindToSigned<DF> di;
+    const hn::Repartition<std::uint8_t, DF> d8;
+    static_assert(hn::MaxLanes(di) == 16);
+    alignas(64) static constexpr std::int32_t kBlocks[16] = {0, 1, 2, 2, 3, 4, 5, 5,
+                                                             0, 1, 2, 2, 3, 4, 5, 5};
+    alignas(64) static constexpr std::uint8_t kGroups[64] = {
+        0, 1, 2, 2, 3, 4, 5, 5, 6, 7, 8, 8, 9, 10, 11, 11, 0, 1, 2, 2, 3, 4, 5, 5,
+        6, 7, 8, 8, 9, 10, 11, 11, 0, 1, 2, 2, 3, 4, 5, 5, 6, 7, 8, 8, 9, 10, 11, 11,
+        0, 1, 2, 2, 3, 4, 5, 5, 6, 7, 8, 8, 9, 10, 11, 11};
+    const auto bytes = hn::MaskedLoad(hn::FirstN(d8, 24), d8, row + chunk * 24);
+    const auto blocks =
+        hn::TableLookupLanes(hn::BitCast(di, bytes), hn::SetTableIndices(di, kBlocks));
+    return hn::BitCast(di, hn::TableLookupBytes(hn::BitCast(d8, blocks), hn::Load(d8, kGroups)));
+  }
+  template <class DF>
+  static HWY_INLINE hn::Vec<DF> Aux(DF df, const std::uint8_t*, std::size_t, std::size_t) {
+    return hn::Zero(df);
+  }
+  template <std::size_t kJ, class DF, class VR>
+  static HWY_INLINE hn::Vec<DF> Get(DF df, VR words, hn::Vec<DF>) {
+    const hn::RebindToSigned<DF> di;
+    // Code c's sign to bit 31: shift 26 - 6c, for c = 2 kJ (lanes 0-7) and 2 kJ + 1 (8-15).
+    constexpr std::int32_t kLow = 26 - 12 * std::int32_t(kJ), kHigh = kLow - 6;
+    alignas(64) static constexpr std::int32_t kUp[16] = {kLow,  kLow,  kLow,  kLow,  kLow,  kLow,
+                                                         kLow,  kLow,  kHigh, kHigh, kHigh, kHigh,
+                                                         kHigh, kHigh, kHigh, kHigh};
+    constexpr int kDown = 3 + kMantissaBits;
+    const auto mask = hn::Set(di, static_cast<std::int32_t>(0x80000000u | (0x1Fu << (26 - kDown))));
+    const auto top = hn::Shl(words, hn::Load(di, kUp));
+    return hn::BitCast(df, hn::And(hn::ShiftRight<kDown>(top), mask));
+  }
+};
+
+#if MJOLNIR_WIDE_FP6
+using DecodeE2M3 = DecodeFp6Wide<2>;
+using DecodeE3M2 = DecodeFp6Wide<3>;
+#else
 using DecodeE2M3 = DecodeFp6<2>;
 using DecodeE3M2 = DecodeFp6<3>;
+#endif
 
 // --- whole rows --------------------------------------------------------------------------------
 
@@ -312,14 +385,17 @@ HWY_INLINE void DecodeRow(const std::uint8_t* row, std::size_t head_dim, float* 
 }
 
 // channel_of[i]: the channel DecodeRow writes to out[i]. Within a chunk of kVectors * n
-// channels, vector j lane l holds channel kVectors * l + j.
+// channels, vector j lane l holds channel Dec::Channel(j, l, n), or kVectors * l + j for
+// decoders without that function.
 template <class Dec>
 void ChannelOrder(std::size_t head_dim, std::int32_t* channel_of) {
   const std::size_t n = hn::Lanes(typename Dec::Tag());
   constexpr std::size_t v = Dec::kVectors;
   for (std::size_t i = 0; i < head_dim; ++i) {
     const std::size_t chunk = i / (v * n), j = (i % (v * n)) / n, lane = i % n;
-    channel_of[i] = static_cast<std::int32_t>(chunk * v * n + v * lane + j);
+    std::size_t in_chunk = v * lane + j;
+    if constexpr (requires { Dec::Channel(j, lane, n); }) in_chunk = Dec::Channel(j, lane, n);
+    channel_of[i] = static_cast<std::int32_t>(chunk * v * n + in_chunk);
   }
 }
 
