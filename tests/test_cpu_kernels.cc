@@ -8,6 +8,7 @@
 #define HWY_TARGET_INCLUDE "../tests/test_cpu_kernels.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 // Must come after foreach_target.h.
+#include "cpu/bf16_dot-inl.h"
 #include "cpu/exp2-inl.h"
 #include "cpu/kv_decode-inl.h"
 #include "cpu/minifloat_simd-inl.h"
@@ -38,6 +39,7 @@ namespace hn = hwy::HWY_NAMESPACE;
 
 // The fallback target runs the scalar path; the case-matrix tests below cover it.
 void TestDecoders() {}
+void TestDotDecoders() {}
 void TestRounding() {}
 void TestExp2() {}
 
@@ -115,6 +117,74 @@ void TestDecoders() {
     VisitDecoder(format, [&]<class Decoder>() { CheckDecoder<Decoder>(format); });
   }
 }
+
+#if MJOLNIR_BF16_DOT
+HWY_PUSH_ATTRIBUTES("avx512bf16,avx512vbmi")
+
+// The bf16 words a dot decoder makes of every test row, against decode_row: bit for bit.
+template <class Dot>
+void CheckDotDecoder(Format format) {
+  std::mt19937_64 rng(mjolnir::testing::test_seed() ^ (static_cast<std::uint64_t>(format) << 8));
+  const WordTag dw;
+  for (int head_dim : {64, 128, 192, 256}) {
+    std::vector<bool> seen(kDotChunk, false);
+    for (std::size_t j = 0; j < 2; ++j) {
+      for (std::size_t w = 0; w < 32; ++w) {
+        const std::size_t channel = Dot::Channel(j, w);
+        ASSERT_LT(channel, kDotChunk);
+        ASSERT_FALSE(seen[channel]) << "channel order is not a permutation";
+        seen[channel] = true;
+      }
+    }
+    const auto state = Dot::MakeState();
+    std::vector<float> want(head_dim);
+    alignas(64) std::uint16_t words[2][32];
+    for (const auto& row : TestRows(format, head_dim, rng)) {
+      // From a copy that ends exactly at the row's end, so a read past it is caught by ASan.
+      std::vector<std::byte> exact_copy(row.begin(), row.end());
+      const auto* src = reinterpret_cast<const std::uint8_t*>(exact_copy.data());
+      decode_row(format, row, want);
+      for (std::size_t c = 0; c < std::size_t(head_dim) / kDotChunk; ++c) {
+        Words x0, x1;
+        Dot::Decode(state, src, c, x0, x1);
+        hn::Store(x0, dw, words[0]);
+        hn::Store(x1, dw, words[1]);
+        for (std::size_t j = 0; j < 2; ++j) {
+          for (std::size_t w = 0; w < 32; ++w) {
+            const std::size_t channel = c * kDotChunk + Dot::Channel(j, w);
+            const std::uint32_t got = std::uint32_t(words[j][w]) << 16;
+            ASSERT_EQ(got, Bits(want[channel]))
+                << to_string(format) << " D" << head_dim << " channel " << channel << ": "
+                << std::bit_cast<float>(got) << " vs " << want[channel];
+          }
+        }
+      }
+    }
+  }
+}
+
+HWY_POP_ATTRIBUTES
+
+void TestDotDecoders() {
+  if (!CpuHasBf16Dot()) {
+    GTEST_SKIP() << "this CPU has no AVX512_BF16 / AVX512_VBMI: the bf16 dot decoders cannot run";
+  }
+  int checked = 0;
+  for (Format format : kAllFormats) {
+    VisitDecoder(format, [&]<class Decoder>() {
+      using Dot = typename DotDecoderOf<Decoder>::type;
+      if constexpr (!std::is_void_v<Dot>) {
+        CheckDotDecoder<Dot>(format);
+        ++checked;
+      }
+    });
+  }
+  EXPECT_EQ(checked, 6);  // bf16, fp8 x 2, fp6 x 2, fp4_e2m1
+}
+#else
+// Targets other than AVX-512 compile no dot decoders (bf16_dot-inl.h).
+void TestDotDecoders() {}
+#endif
 
 // Floats to check roundings on: every float of a few binades around the format's edges, a
 // stride through all the others, and specials.
@@ -272,6 +342,7 @@ using namespace mjolnir::cpu;  // the per-target functions HWY_EXPORT names
 
 HWY_BEFORE_TEST(CpuKernelTest);
 HWY_EXPORT_AND_TEST_P(CpuKernelTest, TestDecoders);
+HWY_EXPORT_AND_TEST_P(CpuKernelTest, TestDotDecoders);
 HWY_EXPORT_AND_TEST_P(CpuKernelTest, TestRounding);
 HWY_EXPORT_AND_TEST_P(CpuKernelTest, TestExp2);
 HWY_EXPORT_AND_TEST_P(CpuKernelTest, TestRowEncoder);
@@ -319,6 +390,50 @@ TEST_P(CpuKernelMatrix, OddShapesMatchEmulator) {
         ++index;
         const verify::CaseResult r = verify::run_case(c, *backend);
         EXPECT_NE(r.status, verify::CaseResult::Status::failed) << c.name() << ": " << r.message;
+      }
+    }
+  }
+}
+
+// Q . K on bf16 dot products (Q in bf16 or fp8 mode, P in fp32, every format whose codes are
+// bf16 values) against the emulator, over group sizes, q_len and D that exercise its 4-row
+// blocks, leftover rows and key groups of fewer than 4; each case must have run on it.
+TEST(CpuBf16Dot, MatchesEmulator) {
+  if (!cpu::cpu_has_bf16_dot()) {
+    GTEST_SKIP() << "the dispatched target (" << cpu::kernel_target()
+                 << ") or this CPU has no AVX512_BF16 / AVX512_VBMI dot products";
+  }
+  ASSERT_TRUE(cpu::bf16_dot_enabled()) << "MJOLNIR_CPU_BF16_DOT=0 turned the dot products off";
+  const auto backend = make_backend("cpu", BackendOptions{.threads = 2});
+  std::mt19937_64 rng(mjolnir::testing::test_seed() + 23);
+  int index = 0;
+  for (Format format : {Format::bf16, Format::fp8_e4m3, Format::fp8_e5m2, Format::fp6_e2m3,
+                        Format::fp6_e3m2, Format::fp4_e2m1}) {
+    for (QMode q_mode : {QMode::bf16, QMode::fp8}) {
+      for (const auto [g, q_len] : {std::pair{1, 1}, std::pair{4, 1}, std::pair{8, 1},
+                                    std::pair{3, 2}, std::pair{4, 4}, std::pair{5, 3}}) {
+        verify::Case c;
+        verify::ProblemSpec& s = c.spec;
+        s.format = format;
+        s.layout = kAllLayouts[index % 6];
+        s.page_size = 8 << (index % 4);
+        s.head_dim = 64 * (1 + index % 4);
+        s.group = g;
+        s.num_kv_heads = 1 + index % 3;
+        s.params.q_len = q_len;
+        s.params.causal = index % 2 == 0;
+        s.params.q_mode = q_mode;
+        s.params.p_mode = PMode::fp32;
+        s.granularity = ScaleGranularity(index % 3);
+        s.seed = rng();
+        c.tile_tokens = 16 << (index % 3);
+        c.splits = 1 + index % 2;
+        s.seq_lens = {q_len, 113, 301, s.page_size + 1};
+        ++index;
+        const std::uint64_t before = cpu::bf16_dot_units();
+        const verify::CaseResult r = verify::run_case(c, *backend);
+        EXPECT_NE(r.status, verify::CaseResult::Status::failed) << c.name() << ": " << r.message;
+        EXPECT_GT(cpu::bf16_dot_units(), before) << c.name() << " did not run on the dot products";
       }
     }
   }

@@ -41,8 +41,11 @@ double fma_peak_flops_one_thread() {
   return flops;
 }
 
+QMode g_q_mode = QMode::fp32;  // --q-mode
+
 void Decode(benchmark::State& state, Format format, int group, int q_len) {
   verify::ProblemSpec spec;
+  spec.params.q_mode = g_q_mode;
   spec.format = format;
   spec.num_kv_heads = kKvHeads;
   spec.group = group;
@@ -106,7 +109,18 @@ bool limit_to_target(const std::string& name) {
 int main(int argc, char** argv) {
   std::vector<char*> args;
   for (int i = 0; i < argc; ++i) {
-    if (std::strncmp(argv[i], "--target=", 9) != 0) {
+    if (std::strncmp(argv[i], "--q-mode=", 9) == 0) {
+      const std::string mode = argv[i] + 9;
+      if (mode == "fp32" || mode == "bf16" || mode == "fp8") {
+        mjolnir::g_q_mode = mode == "fp32"   ? mjolnir::QMode::fp32
+                            : mode == "bf16" ? mjolnir::QMode::bf16
+                                             : mjolnir::QMode::fp8;
+      } else {
+        std::fprintf(stderr, "kernel_rates: --q-mode: '%s' is not fp32, bf16 or fp8\n",
+                     mode.c_str());
+        return 2;
+      }
+    } else if (std::strncmp(argv[i], "--target=", 9) != 0) {
       args.push_back(argv[i]);
     } else if (!mjolnir::limit_to_target(argv[i] + 9)) {
       std::fprintf(stderr, "kernel_rates: --target: no compiled target named '%s'\n", argv[i] + 9);

@@ -27,6 +27,7 @@
 #define HWY_TARGET_INCLUDE "cpu/attention_kernel.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 // Must come after foreach_target.h.
+#include "cpu/bf16_dot-inl.h"
 #include "cpu/exact_scores-inl.h"
 #include "cpu/kernel_blocks-inl.h"
 #include "cpu/kv_decode-inl.h"
@@ -35,7 +36,9 @@
 #include "hwy/highway.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -46,6 +49,10 @@
 #include "cpu/attention_kernel.h"
 #include "cpu/item_context.h"
 #include "cpu/tile_prefetcher.h"
+
+namespace mjolnir::cpu {
+extern std::atomic<std::uint64_t> g_bf16_dot_units;  // behind bf16_dot_units()
+}  // namespace mjolnir::cpu
 
 HWY_BEFORE_NAMESPACE();
 namespace mjolnir::cpu::HWY_NAMESPACE {
@@ -194,29 +201,6 @@ HWY_INLINE void StoreRowColumn(Float4 a, float* out, std::size_t stride) {
   alignas(16) float s[4];
   hn::Store(a, Float4Tag(), s);
   for (int j = 0; j < 4; ++j) out[j * stride] = s[j];
-}
-
-// Stores key i's scores for rows 0..3 (s0 .. s3, times scale) at out[row * stride + i]: a 4 x 4
-// transpose, then one 16-byte store per row.
-HWY_INLINE void StoreRowQuads(Float4 s0, Float4 s1, Float4 s2, Float4 s3, Float4 scale, float* out,
-                              std::size_t stride) {
-  const Float4Tag d4;
-  const hn::Repartition<std::uint64_t, Float4Tag> d64;
-  s0 = hn::Mul(s0, scale);
-  s1 = hn::Mul(s1, scale);
-  s2 = hn::Mul(s2, scale);
-  s3 = hn::Mul(s3, scale);
-  const auto rows01_keys01 = hn::BitCast(d64, hn::InterleaveLower(d4, s0, s1));
-  const auto rows01_keys23 = hn::BitCast(d64, hn::InterleaveLower(d4, s2, s3));
-  const auto rows23_keys01 = hn::BitCast(d64, hn::InterleaveUpper(d4, s0, s1));
-  const auto rows23_keys23 = hn::BitCast(d64, hn::InterleaveUpper(d4, s2, s3));
-  hn::StoreU(hn::BitCast(d4, hn::InterleaveLower(d64, rows01_keys01, rows01_keys23)), d4, out);
-  hn::StoreU(hn::BitCast(d4, hn::InterleaveUpper(d64, rows01_keys01, rows01_keys23)), d4,
-             out + stride);
-  hn::StoreU(hn::BitCast(d4, hn::InterleaveLower(d64, rows23_keys01, rows23_keys23)), d4,
-             out + 2 * stride);
-  hn::StoreU(hn::BitCast(d4, hn::InterleaveUpper(d64, rows23_keys01, rows23_keys23)), d4,
-             out + 3 * stride);
 }
 
 // Fast path: scores[r][first + t] = scale * q_r . k_t for the count K rows at bases[t] + offset,
@@ -378,6 +362,13 @@ void RunUnit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, in
   const int g = args.params.num_q_heads / geo.num_kv_heads;
   const int rows = args.params.q_len * g;
   const bool exact = args.params.p_mode != PMode::fp32;
+#if MJOLNIR_BF16_DOT
+  using Dot = typename DotDecoderOf<Decoder>::type;
+  const bool dot =
+      !std::is_void_v<Dot> && !exact && bf16_dot_applies(args.params.q_mode, d) && CpuHasBf16Dot();
+#else
+  constexpr bool dot = false;
+#endif
   const int tile =
       exact ? plan.tile_tokens : FastPathTile(plan.tile_tokens, heads, geo.row_bytes());
   static const bool fused = baseline_fuses_multiply_add();
@@ -432,7 +423,15 @@ void RunUnit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, in
     std::fill(hs.acc, hs.acc + std::size_t(rows) * ld, 0.0f);
 
     const float score_scale = PrepareQuery(hs.it, qn);
-    if (exact) {  // true values, transposed: lanes are query rows
+    if (dot) {  // bf16 words in the dot decoder's channel order, true values
+      if (h == 0) g_bf16_dot_units.fetch_add(1, std::memory_order_relaxed);
+#if MJOLNIR_BF16_DOT
+      if constexpr (!std::is_void_v<Dot>) {
+        PrepareDotQuery<Dot>(qn, rows, std::size_t(d), ld, reinterpret_cast<std::uint16_t*>(hs.q));
+      }
+#endif
+      hs.kernel_scale = score_scale;
+    } else if (exact) {  // true values, transposed: lanes are query rows
       std::fill(hs.q, hs.q + rows_padded * d, 0.0f);
       for (int r = 0; r < rows; ++r) {
         for (int c = 0; c < d; ++c)
@@ -502,7 +501,15 @@ void RunUnit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, in
       HeadState& hs = head_state[h];
       const ItemContext& it = hs.it;
       float* probs = probs_all + std::size_t(h) * rows * stride;
-      if (!exact) {
+      if (dot) {
+#if MJOLNIR_BF16_DOT
+        if constexpr (!std::is_void_v<Dot>) {
+          ScoresDot<Dot>(reinterpret_cast<const std::uint16_t*>(hs.q), 2 * ld, rows, std::size_t(d),
+                         bases, hs.k_offset, count, hs.kernel_scale, scores, stride, prefetcher,
+                         prefetch_rows);
+        }
+#endif
+      } else if (!exact) {
         ScoresFast<Decoder>(it, hs.q, bases, hs.k_offset, count, hs.kernel_scale, scores, stride,
                             prefetcher, prefetch_rows);
       } else {
@@ -600,6 +607,14 @@ void RunWorkUnit(const DecodeArgs& args, const Plan& plan, const WorkItem* items
 
 const char* TargetName() { return hwy::TargetName(HWY_TARGET); }
 
+bool HasBf16Dot() {
+#if !MJOLNIR_PORTABLE_TARGET && MJOLNIR_BF16_DOT
+  return CpuHasBf16Dot();
+#else
+  return false;
+#endif
+}
+
 }  // namespace mjolnir::cpu::HWY_NAMESPACE
 HWY_AFTER_NAMESPACE();
 
@@ -609,6 +624,7 @@ namespace mjolnir::cpu {
 
 HWY_EXPORT(RunWorkUnit);
 HWY_EXPORT(TargetName);
+HWY_EXPORT(HasBf16Dot);
 
 float* KernelScratch::floats(int slot, std::size_t count) {
   if (capacity_[slot] < count) {
@@ -635,6 +651,30 @@ void* KernelScratch::bytes(std::size_t count) {
   }
   return bytes_.get();
 }
+
+std::atomic<std::uint64_t> g_bf16_dot_units{0};
+
+namespace {
+std::atomic<bool>& bf16_dot_flag() {
+  static std::atomic<bool> flag{[] {
+    const char* env = std::getenv("MJOLNIR_CPU_BF16_DOT");
+    return env == nullptr || std::strcmp(env, "0") != 0;
+  }()};
+  return flag;
+}
+}  // namespace
+
+void set_bf16_dot_enabled(bool enabled) { bf16_dot_flag().store(enabled); }
+bool bf16_dot_enabled() { return bf16_dot_flag().load(std::memory_order_relaxed); }
+
+bool bf16_dot_applies(QMode q_mode, int head_dim) {
+  return bf16_dot_enabled() && (q_mode == QMode::bf16 || q_mode == QMode::fp8) &&
+         head_dim % 64 == 0;
+}
+
+bool cpu_has_bf16_dot() { return HWY_DYNAMIC_DISPATCH(HasBf16Dot)(); }
+
+std::uint64_t bf16_dot_units() { return g_bf16_dot_units.load(); }
 
 void run_work_unit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, int heads,
                    KernelScratch& scratch, const ItemOutput* outs) {

@@ -215,6 +215,29 @@ HWY_INLINE void ScoreBlock4x4(const float* HWY_RESTRICT q, std::size_t qs, std::
   sum3 = Reduce4(df, a[0][3], a[1][3], a[2][3], a[3][3]);
 }
 
+// Stores key i's scores for rows 0..3 (s0 .. s3, times scale) at out[row * stride + i]: a 4 x 4
+// transpose, then one 16-byte store per row.
+HWY_INLINE void StoreRowQuads(Float4 s0, Float4 s1, Float4 s2, Float4 s3, Float4 scale, float* out,
+                              std::size_t stride) {
+  const Float4Tag d4;
+  const hn::Repartition<std::uint64_t, Float4Tag> d64;
+  s0 = hn::Mul(s0, scale);
+  s1 = hn::Mul(s1, scale);
+  s2 = hn::Mul(s2, scale);
+  s3 = hn::Mul(s3, scale);
+  const auto rows01_keys01 = hn::BitCast(d64, hn::InterleaveLower(d4, s0, s1));
+  const auto rows01_keys23 = hn::BitCast(d64, hn::InterleaveLower(d4, s2, s3));
+  const auto rows23_keys01 = hn::BitCast(d64, hn::InterleaveUpper(d4, s0, s1));
+  const auto rows23_keys23 = hn::BitCast(d64, hn::InterleaveUpper(d4, s2, s3));
+  hn::StoreU(hn::BitCast(d4, hn::InterleaveLower(d64, rows01_keys01, rows01_keys23)), d4, out);
+  hn::StoreU(hn::BitCast(d4, hn::InterleaveUpper(d64, rows01_keys01, rows01_keys23)), d4,
+             out + stride);
+  hn::StoreU(hn::BitCast(d4, hn::InterleaveLower(d64, rows23_keys01, rows23_keys23)), d4,
+             out + 2 * stride);
+  hn::StoreU(hn::BitCast(d4, hn::InterleaveUpper(d64, rows23_keys01, rows23_keys23)), d4,
+             out + 3 * stride);
+}
+
 // Scores of 8 query rows (qs floats apart) against one K row, for steps with 8 rows or more
 // (GQA groups of 8, speculative q_len): each K vector is decoded once for 8 FMAs rather than 4,
 // and the 8 query vectors come from L1 as the FMAs' memory operands. Measured in isolation on

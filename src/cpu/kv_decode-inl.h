@@ -323,9 +323,9 @@ struct DecodeFp6Wide {
     alignas(64) static constexpr std::int32_t kBlocks[16] = {0, 1, 2, 2, 3, 4, 5, 5,
                                                              0, 1, 2, 2, 3, 4, 5, 5};
     alignas(64) static constexpr std::uint8_t kGroups[64] = {
-        0, 1, 2, 2, 3, 4, 5, 5, 6, 7, 8, 8, 9, 10, 11, 11, 0, 1, 2, 2, 3, 4, 5, 5,
-        6, 7, 8, 8, 9, 10, 11, 11, 0, 1, 2, 2, 3, 4, 5, 5, 6, 7, 8, 8, 9, 10, 11, 11,
-        0, 1, 2, 2, 3, 4, 5, 5, 6, 7, 8, 8, 9, 10, 11, 11};
+        0, 1,  2,  2,  3, 4, 5, 5,  6,  7,  8, 8, 9, 10, 11, 11, 0, 1,  2,  2, 3, 4,
+        5, 5,  6,  7,  8, 8, 9, 10, 11, 11, 0, 1, 2, 2,  3,  4,  5, 5,  6,  7, 8, 8,
+        9, 10, 11, 11, 0, 1, 2, 2,  3,  4,  5, 5, 6, 7,  8,  8,  9, 10, 11, 11};
     const auto bytes = hn::MaskedLoad(hn::FirstN(d8, 24), d8, row + chunk * 24);
     const auto blocks =
         hn::TableLookupLanes(hn::BitCast(di, bytes), hn::SetTableIndices(di, kBlocks));
