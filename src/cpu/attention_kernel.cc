@@ -234,9 +234,7 @@ void ScoresFast(const ItemContext& it, const float* HWY_RESTRICT q,
       float* out = scores + r * stride + t;
       if constexpr (kKeys == 4) {
         if (keys == 4 && quads) {
-          Float4 s0, s1, s2, s3;
-          ScoreBlock4x4<Dec>(q + r * it.ld, it.ld, d, k, s0, s1, s2, s3);
-          StoreRowQuads(s0, s1, s2, s3, scale4, out, stride);
+          ScoreBlock4x4<Dec>(q + r * it.ld, it.ld, d, k, scale, out, stride);
           continue;
         }
       }

@@ -266,12 +266,11 @@ void PrepareDotQuery(const float* HWY_RESTRICT qn, int rows, std::size_t d, std:
 
 // Scores of kRows query rows (qs words apart) against the 4 K rows k[0..3]: kRows x 4
 // accumulators, each K chunk decoded once for all rows and each Q vector loaded once for the 4
-// keys. sums[i] holds key i's sums for rows 0..3 (kRows = 4), or sums[0] the 4 keys' sums of
-// row 0 (kRows = 1).
+// keys. Writes scale times row r's sum for key i to out[r * stride + i].
 template <class Dot, int kRows>
 HWY_INLINE void DotBlock(const std::uint16_t* HWY_RESTRICT q, std::size_t qs, std::size_t d,
                          const std::uint8_t* const* k, const typename Dot::State& state,
-                         Float4* sums) {
+                         float scale, float* out, std::size_t stride) {
   const WideFloatTag df;
   const WordTag dw;
   hn::Vec<WideFloatTag> a[kRows][4];
@@ -290,9 +289,10 @@ HWY_INLINE void DotBlock(const std::uint16_t* HWY_RESTRICT q, std::size_t qs, st
     }
   }
   if constexpr (kRows == 4) {
-    for (int i = 0; i < 4; ++i) sums[i] = Reduce4(df, a[0][i], a[1][i], a[2][i], a[3][i]);
+    StoreSums4x4(df, a, scale, out, stride);
   } else {
-    sums[0] = Reduce4(df, a[0][0], a[0][1], a[0][2], a[0][3]);
+    const Float4 sums = Reduce4(df, a[0][0], a[0][1], a[0][2], a[0][3]);
+    hn::StoreU(hn::Mul(sums, hn::Set(Float4Tag(), scale)), Float4Tag(), out);
   }
 }
 
@@ -307,7 +307,6 @@ HWY_NOINLINE void ScoresDot(const std::uint16_t* HWY_RESTRICT q_words, std::size
                             int count, float scale, float* HWY_RESTRICT scores, std::size_t stride,
                             TilePrefetcher& prefetch, int prefetch_per_key) {
   const auto state = Dot::MakeState();
-  const auto scale4 = hn::Set(Float4Tag(), scale);
   for (int t = 0; t < count; t += 4) {
     const int keys = count - t < 4 ? count - t : 4;
     prefetch.Issue(keys * prefetch_per_key);
@@ -315,14 +314,10 @@ HWY_NOINLINE void ScoresDot(const std::uint16_t* HWY_RESTRICT q_words, std::size
     for (int i = 0; i < 4; ++i) k[i] = bases[t + (i < keys ? i : keys - 1)] + offset;
     int r = 0;
     for (; r + 4 <= rows; r += 4) {
-      Float4 s[4];
-      DotBlock<Dot, 4>(q_words + r * qs, qs, d, k, state, s);
-      StoreRowQuads(s[0], s[1], s[2], s[3], scale4, scores + r * stride + t, stride);
+      DotBlock<Dot, 4>(q_words + r * qs, qs, d, k, state, scale, scores + r * stride + t, stride);
     }
     for (; r < rows; ++r) {
-      Float4 s;
-      DotBlock<Dot, 1>(q_words + r * qs, qs, d, k, state, &s);
-      hn::StoreU(hn::Mul(s, scale4), Float4Tag(), scores + r * stride + t);
+      DotBlock<Dot, 1>(q_words + r * qs, qs, d, k, state, scale, scores + r * stride + t, stride);
     }
   }
 }
