@@ -51,38 +51,65 @@ inline constexpr bool kWideRegisterFile = false;
 using Float4Tag = hn::CappedTag<float, 4>;
 using Float4 = hn::Vec<Float4Tag>;
 
-// [sum(a0), sum(a1), sum(a2), sum(a3)].
-template <class DF>  // a template, so only the branch for DF's lane count is instantiated
-HWY_INLINE Float4 Reduce4(DF df, hn::Vec<DF> a0, hn::Vec<DF> a1, hn::Vec<DF> a2, hn::Vec<DF> a3) {
+// Lane-wise combinations for Reduce4By: sums and maxima.
+struct SumLanesOp {
+  template <class V>
+  HWY_INLINE V operator()(V a, V b) const {
+    return hn::Add(a, b);
+  }
+  template <class D, class V>
+  HWY_INLINE float All(D d, V v) const {
+    return hn::GetLane(hn::SumOfLanes(d, v));
+  }
+};
+struct MaxLanesOp {
+  template <class V>
+  HWY_INLINE V operator()(V a, V b) const {
+    return hn::Max(a, b);
+  }
+  template <class D, class V>
+  HWY_INLINE float All(D d, V v) const {
+    return hn::GetLane(hn::MaxOfLanes(d, v));
+  }
+};
+
+// [op over the lanes of a0, of a1, of a2, of a3].
+template <class DF, class Op>  // a template, so only the branch for DF's lane count is instantiated
+HWY_INLINE Float4 Reduce4By(DF df, Op op, hn::Vec<DF> a0, hn::Vec<DF> a1, hn::Vec<DF> a2,
+                            hn::Vec<DF> a3) {
 #if HWY_TARGET == HWY_SVE || HWY_TARGET == HWY_SVE2 || HWY_TARGET == HWY_SVE_256 || \
     HWY_TARGET == HWY_SVE2_128
   const Float4Tag d4;
-  alignas(16) float sums[4] = {
-      hn::GetLane(hn::SumOfLanes(df, a0)), hn::GetLane(hn::SumOfLanes(df, a1)),
-      hn::GetLane(hn::SumOfLanes(df, a2)), hn::GetLane(hn::SumOfLanes(df, a3))};
-  return hn::Load(d4, sums);
+  alignas(16) float all[4] = {op.All(df, a0), op.All(df, a1), op.All(df, a2), op.All(df, a3)};
+  return hn::Load(d4, all);
 #else
-  // Within each 128-bit block: transpose-and-add the four vectors into one holding four partial
-  // sums, then add the blocks together.
+  // Within each 128-bit block: transpose-and-combine the four vectors into one holding four
+  // partial results, then combine the blocks.
   const hn::Repartition<std::uint64_t, decltype(df)> d64;
-  const auto t0 = hn::Add(hn::InterleaveLower(df, a0, a1), hn::InterleaveUpper(df, a0, a1));
-  const auto t1 = hn::Add(hn::InterleaveLower(df, a2, a3), hn::InterleaveUpper(df, a2, a3));
+  const auto t0 = op(hn::InterleaveLower(df, a0, a1), hn::InterleaveUpper(df, a0, a1));
+  const auto t1 = op(hn::InterleaveLower(df, a2, a3), hn::InterleaveUpper(df, a2, a3));
   const auto lo = hn::InterleaveLower(d64, hn::BitCast(d64, t0), hn::BitCast(d64, t1));
   const auto hi = hn::InterleaveUpper(d64, hn::BitCast(d64, t0), hn::BitCast(d64, t1));
-  const auto u = hn::Add(hn::BitCast(df, lo), hn::BitCast(df, hi));
+  const auto u = op(hn::BitCast(df, lo), hn::BitCast(df, hi));
   constexpr std::size_t kLanes = hn::MaxLanes(df);
   if constexpr (kLanes == 4) {
     return u;
   } else if constexpr (kLanes == 8) {
     const hn::Half<decltype(df)> dh;
-    return hn::Add(hn::LowerHalf(dh, u), hn::UpperHalf(dh, u));
+    return op(hn::LowerHalf(dh, u), hn::UpperHalf(dh, u));
   } else {  // 16 lanes
     const hn::Half<decltype(df)> dh;
     const hn::Half<decltype(dh)> dq;
-    const auto h = hn::Add(hn::LowerHalf(dh, u), hn::UpperHalf(dh, u));
-    return hn::Add(hn::LowerHalf(dq, h), hn::UpperHalf(dq, h));
+    const auto h = op(hn::LowerHalf(dh, u), hn::UpperHalf(dh, u));
+    return op(hn::LowerHalf(dq, h), hn::UpperHalf(dq, h));
   }
 #endif
+}
+
+// [sum(a0), sum(a1), sum(a2), sum(a3)].
+template <class DF>
+HWY_INLINE Float4 Reduce4(DF df, hn::Vec<DF> a0, hn::Vec<DF> a1, hn::Vec<DF> a2, hn::Vec<DF> a3) {
+  return Reduce4By(df, SumLanesOp(), a0, a1, a2, a3);
 }
 
 template <class Step, std::size_t... kJ>

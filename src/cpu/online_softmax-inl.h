@@ -16,6 +16,7 @@
 #include "core/minifloat.h"
 #include "cpu/exp2-inl.h"
 #include "cpu/item_context.h"
+#include "cpu/kernel_blocks-inl.h"
 #include "cpu/kv_decode-inl.h"
 #include "cpu/minifloat_simd-inl.h"
 #include "hwy/highway.h"
@@ -32,64 +33,135 @@ struct RowState {
   float* alpha;  // [R] this tile's rescale of the accumulator
 };
 
+// Tokens of the tile [first, first + count) that row r may see.
+HWY_INLINE int LiveTokens(const ItemContext& it, int r, int first, int count) {
+  const int t = r / it.g;
+  const int last = it.causal ? it.seq_len - it.q_len + t : it.seq_len - 1;
+  return std::clamp(last - first + 1, 0, count);
+}
+
+// One row of SoftmaxTile.
+HWY_INLINE void SoftmaxRow(const ItemContext& it, int r, float* HWY_RESTRICT scores,
+                           float* HWY_RESTRICT probs, std::size_t stride, int live, int count,
+                           int p_exp, const RowState& state) {
+  const WideFloatTag df;
+  const std::size_t n = hn::Lanes(df);
+  const std::size_t padded = (std::size_t(count) + n - 1) / n * n;
+  float* s = scores + std::size_t(r) * stride;
+  float* p = probs + std::size_t(r) * stride;
+  if (live == 0) {
+    state.alpha[r] = 1.0f;
+    std::fill(p, p + padded, 0.0f);
+    return;
+  }
+  std::fill(s + live, s + padded, -std::numeric_limits<float>::infinity());
+  auto vmax = hn::Set(df, -std::numeric_limits<float>::infinity());
+  for (std::size_t i = 0; i < padded; i += n) vmax = hn::Max(vmax, hn::Load(df, s + i));
+  const float m_old = state.m[r];
+  const float m_new = std::max(m_old, hn::GetLane(hn::MaxOfLanes(df, vmax)));
+  const auto vm = hn::Set(df, m_new);
+  auto sum = hn::Zero(df);
+  float tile_sum;
+  if (it.p_mode == PMode::fp32) {
+    for (std::size_t i = 0; i < padded; i += n) {
+      const auto pv = Exp2Fast(df, hn::Sub(hn::Load(df, s + i), vm), p_exp);
+      sum = hn::Add(sum, pv);
+      hn::Store(pv, df, p + i);
+    }
+    tile_sum = hn::GetLane(hn::SumOfLanes(df, sum)) * std::ldexp(1.0f, -p_exp);
+  } else {
+    const auto vscale = hn::Set(df, std::ldexp(1.0f, p_exp));
+    const auto fp8_scale = hn::Set(df, 256.0f);
+    for (std::size_t i = 0; i < padded; i += n) {
+      const auto pv = Exp2Exact(df, hn::Sub(hn::Load(df, s + i), vm));
+      sum = hn::Add(sum, pv);
+      const auto used = it.p_mode == PMode::bf16
+                            ? RoundToMinifloat<kBf16Spec>(df, pv)
+                            : RoundToMinifloat<kE4M3Spec>(df, hn::Mul(pv, fp8_scale));
+      hn::Store(hn::Mul(used, vscale), df, p + i);
+    }
+    tile_sum = hn::GetLane(hn::SumOfLanes(df, sum));
+  }
+  // 0 on the row's first tile (m_old = -inf). With P in fp32 the polynomial, as for P: a libm
+  // call per row and tile cost more than the row's exponentials for the short tiles of the
+  // 16-bit formats.
+  const float alpha = it.p_mode == PMode::fp32
+                          ? hn::GetLane(Exp2Fast(df, hn::Set(df, m_old - m_new), 0))
+                          : std::exp2(m_old - m_new);
+  state.alpha[r] = alpha;
+  state.l[r] = state.l[r] * alpha + tile_sum;
+  state.m[r] = m_new;
+}
+
+// Rows r .. r + 3 of SoftmaxTile with P in fp32, each seeing live[j] > 0 tokens: as SoftmaxRow,
+// with the four rows' maxima, sums, rescales and state updates done together (one
+// transpose-and-reduce for four rows instead of a reduction each, one exp2 for the four alphas),
+// so the rows' dependency chains overlap.
+HWY_INLINE void SoftmaxRows4(int r, float* HWY_RESTRICT scores, float* HWY_RESTRICT probs,
+                             std::size_t stride, const int* live, int count, int p_exp,
+                             const RowState& state) {
+  const WideFloatTag df;
+  const Float4Tag d4;
+  const std::size_t n = hn::Lanes(df);
+  const std::size_t padded = (std::size_t(count) + n - 1) / n * n;
+  float* s[4];
+  float* p[4];
+  hn::Vec<WideFloatTag> vmax[4], sum[4];
+  for (int j = 0; j < 4; ++j) {
+    s[j] = scores + std::size_t(r + j) * stride;
+    p[j] = probs + std::size_t(r + j) * stride;
+    std::fill(s[j] + live[j], s[j] + padded, -std::numeric_limits<float>::infinity());
+    vmax[j] = hn::Set(df, -std::numeric_limits<float>::infinity());
+    sum[j] = hn::Zero(df);
+  }
+  for (std::size_t i = 0; i < padded; i += n) {
+    for (int j = 0; j < 4; ++j) vmax[j] = hn::Max(vmax[j], hn::Load(df, s[j] + i));
+  }
+  const auto m_old = hn::LoadU(d4, state.m + r);
+  const auto m_new =
+      hn::Max(m_old, Reduce4By(df, MaxLanesOp(), vmax[0], vmax[1], vmax[2], vmax[3]));
+  alignas(16) float m[4];
+  hn::Store(m_new, d4, m);
+  for (std::size_t i = 0; i < padded; i += n) {
+    for (int j = 0; j < 4; ++j) {
+      const auto pv = Exp2Fast(df, hn::Sub(hn::Load(df, s[j] + i), hn::Set(df, m[j])), p_exp);
+      sum[j] = hn::Add(sum[j], pv);
+      hn::Store(pv, df, p[j] + i);
+    }
+  }
+  const auto tile_sum = hn::Mul(Reduce4(df, sum[0], sum[1], sum[2], sum[3]),
+                                hn::Set(d4, std::ldexp(1.0f, -p_exp)));
+  const auto alpha = Exp2Fast(d4, hn::Sub(m_old, m_new), 0);  // 0 on a row's first tile
+  hn::StoreU(alpha, d4, state.alpha + r);
+  hn::StoreU(hn::MulAdd(hn::LoadU(d4, state.l + r), alpha, tile_sum), d4, state.l + r);
+  hn::StoreU(m_new, d4, state.m + r);
+}
+
 // Step 3 (and 4) for one tile of `count` tokens starting at KV position `first`: per row, mask
 // what it may not see, update max and sum, and write P (rounded per mode, times 2^p_exp) into
 // probs [R][stride]; rows that see none of the tile keep their state (alpha = 1, P = 0).
 void SoftmaxTile(const ItemContext& it, float* HWY_RESTRICT scores, float* HWY_RESTRICT probs,
                  std::size_t stride, int first, int count, int p_exp, const RowState& state) {
-  const WideFloatTag df;
-  const std::size_t n = hn::Lanes(df);
-  const std::size_t padded = (std::size_t(count) + n - 1) / n * n;
-  const float p_scale = std::ldexp(1.0f, p_exp);
-  const float inv_p_scale = std::ldexp(1.0f, -p_exp);  // exact: a power of two
-  for (int r = 0; r < it.rows; ++r) {
-    const int t = r / it.g;
-    const int last = it.causal ? it.seq_len - it.q_len + t : it.seq_len - 1;
-    const int live = std::clamp(last - first + 1, 0, count);
-    float* s = scores + std::size_t(r) * stride;
-    float* p = probs + std::size_t(r) * stride;
-    if (live == 0) {
-      state.alpha[r] = 1.0f;
-      std::fill(p, p + padded, 0.0f);
-      continue;
-    }
-    std::fill(s + live, s + padded, -std::numeric_limits<float>::infinity());
-    auto vmax = hn::Set(df, -std::numeric_limits<float>::infinity());
-    for (std::size_t i = 0; i < padded; i += n) vmax = hn::Max(vmax, hn::Load(df, s + i));
-    const float m_old = state.m[r];
-    const float m_new = std::max(m_old, hn::GetLane(hn::MaxOfLanes(df, vmax)));
-    const auto vm = hn::Set(df, m_new);
-    auto sum = hn::Zero(df);
-    float tile_sum;
-    if (it.p_mode == PMode::fp32) {
-      for (std::size_t i = 0; i < padded; i += n) {
-        const auto pv = Exp2Fast(df, hn::Sub(hn::Load(df, s + i), vm), p_exp);
-        sum = hn::Add(sum, pv);
-        hn::Store(pv, df, p + i);
+  int r = 0;
+  if (it.p_mode == PMode::fp32) {
+    for (; r + 4 <= it.rows; r += 4) {
+      int live[4];
+      bool all_live = true;
+      for (int j = 0; j < 4; ++j) {
+        live[j] = LiveTokens(it, r + j, first, count);
+        all_live &= live[j] > 0;
       }
-      tile_sum = hn::GetLane(hn::SumOfLanes(df, sum)) * inv_p_scale;
-    } else {
-      const auto vscale = hn::Set(df, p_scale);
-      const auto fp8_scale = hn::Set(df, 256.0f);
-      for (std::size_t i = 0; i < padded; i += n) {
-        const auto pv = Exp2Exact(df, hn::Sub(hn::Load(df, s + i), vm));
-        sum = hn::Add(sum, pv);
-        const auto used = it.p_mode == PMode::bf16
-                              ? RoundToMinifloat<kBf16Spec>(df, pv)
-                              : RoundToMinifloat<kE4M3Spec>(df, hn::Mul(pv, fp8_scale));
-        hn::Store(hn::Mul(used, vscale), df, p + i);
+      if (all_live) {
+        SoftmaxRows4(r, scores, probs, stride, live, count, p_exp, state);
+      } else {
+        for (int j = 0; j < 4; ++j) {
+          SoftmaxRow(it, r + j, scores, probs, stride, live[j], count, p_exp, state);
+        }
       }
-      tile_sum = hn::GetLane(hn::SumOfLanes(df, sum));
     }
-    // 0 on the row's first tile (m_old = -inf). With P in fp32 the polynomial, as for P: a libm
-    // call per row and tile cost more than the row's exponentials for the short tiles of the
-    // 16-bit formats.
-    const float alpha = it.p_mode == PMode::fp32
-                            ? hn::GetLane(Exp2Fast(df, hn::Set(df, m_old - m_new), 0))
-                            : std::exp2(m_old - m_new);
-    state.alpha[r] = alpha;
-    state.l[r] = state.l[r] * alpha + tile_sum;
-    state.m[r] = m_new;
+  }
+  for (; r < it.rows; ++r) {
+    SoftmaxRow(it, r, scores, probs, stride, LiveTokens(it, r, first, count), count, p_exp, state);
   }
 }
 
