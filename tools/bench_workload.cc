@@ -17,7 +17,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-constexpr std::size_t kPageAlignment = 4096;
 // Bounds for the automatic run count: enough runs for a stable median, and a stop for slow
 // backends (the emulator) that would otherwise take minutes.
 constexpr int kMinAutoRuns = 3;
@@ -57,16 +56,13 @@ RotatingCaches::RotatingCaches(verify::ProblemSpec spec, std::size_t target_work
                  copies, format_bytes(copies * pool).c_str(),
                  format_bytes(target_working_set_bytes).c_str());
   }
-  args_.push_back(base);
-  const std::size_t aligned = (pool + kPageAlignment - 1) / kPageAlignment * kPageAlignment;
-  for (std::size_t i = 1; i < copies; ++i) {
-    auto* data = static_cast<std::byte*>(std::aligned_alloc(kPageAlignment, aligned));
-    MJOLNIR_REQUIRE(data != nullptr, "bench: cannot allocate cache copy ", i, " of ",
-                    format_bytes(pool));
-    extra_pools_.emplace_back(data);
-    std::memcpy(data, base.cache.data, pool);
+  // Every timed copy, the problem's own pool too, in memory that huge pages may back, as a
+  // serving engine's one large cache allocation would be (cpu/huge_pages.h).
+  for (std::size_t i = 0; i < copies; ++i) {
+    pools_.push_back(cpu::allocate_huge_page_buffer(pool, "bench cache copy"));
+    std::memcpy(pools_.back().get(), base.cache.data, pool);
     DecodeArgs copy = base;
-    copy.cache.data = data;
+    copy.cache.data = pools_.back().get();
     args_.push_back(copy);
   }
   if (copies > 1) {

@@ -9,18 +9,19 @@
 #include <span>
 #include <vector>
 
+#include "cpu/huge_pages.h"
 #include "mjolnir/decode.h"
 #include "verify/problem.h"
 
 namespace mjolnir::tools {
 
-// One Problem plus byte copies of its pool. Copy i is the same cache at another address, read
-// through the same block table, strides and scales.
+// One Problem plus byte copies of its pool, in buffers huge pages may back. Copy i is the same
+// cache at another address, read through the same block table, strides and scales.
 class RotatingCaches {
  public:
   // Builds the problem (keep_original_kv is turned off: the bench never needs the floats), then
   // makes copies until they total at least `target_working_set_bytes`, but no more than
-  // `memory_limit_bytes` (at least one copy: the problem's own pool).
+  // `memory_limit_bytes` (at least one).
   RotatingCaches(verify::ProblemSpec spec, std::size_t target_working_set_bytes,
                  std::size_t memory_limit_bytes);
 
@@ -32,12 +33,9 @@ class RotatingCaches {
   std::size_t working_set_bytes() const { return pool_bytes() * args_.size(); }
 
  private:
-  struct FreeDeleter {
-    void operator()(std::byte* p) const { std::free(p); }
-  };
   std::unique_ptr<verify::Problem> problem_;
-  std::vector<std::unique_ptr<std::byte, FreeDeleter>> extra_pools_;
-  std::vector<DecodeArgs> args_;  // [copies]
+  std::vector<cpu::HugePageBuffer> pools_;  // [copies]
+  std::vector<DecodeArgs> args_;            // [copies]
 };
 
 struct TimingOptions {

@@ -15,7 +15,9 @@
 
 #include "bench_cuda.h"
 #include "bench_workload.h"
+#include "cpu/attention_kernel.h"
 #include "cpu/compute_peak.h"
+#include "cpu/huge_pages.h"
 #include "cpu/read_bandwidth.h"
 #include "host_backend.h"
 #include "machine_info.h"
@@ -220,14 +222,17 @@ Limit measure_limit(bool on_gpu, int threads) {
   // bound (few bytes per element, many query rows): docs/cpu-performance.md shows both.
   const double fma_gflops = cpu::measure_fma_peak_gflops(threads);
   std::fprintf(stderr, "bench: fp32 FMA peak %.1f GFLOP/s (%d threads)\n", fma_gflops, threads);
+  const std::string huge_pages = cpu::transparent_huge_pages_mode();
   limit.what = cpu_model_name() + ", " + std::to_string(threads) + " threads, last-level cache " +
-               format_bytes(llc) + ", read bandwidth";
+               format_bytes(llc) + ", huge pages " + huge_pages + ", read bandwidth";
   limit.machine = {{"read_bandwidth_gbps", limit.gbps},
                    {"fma_peak_gflops", fma_gflops},
                    {"cpu", cpu_model_name()},
                    {"simd_target", cpu::dispatched_simd_target()},
+                   {"bf16_dot_products", cpu::cpu_has_bf16_dot() && cpu::bf16_dot_enabled()},
                    {"threads", threads},
-                   {"llc_bytes", llc}};
+                   {"llc_bytes", llc},
+                   {"transparent_huge_pages", huge_pages}};
   return limit;
 }
 

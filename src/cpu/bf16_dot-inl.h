@@ -203,10 +203,11 @@ struct DotFp6 {
   static HWY_INLINE void Decode(const State& s, const std::uint8_t* row, std::size_t chunk,
                                 Words& x0, Words& x1) {
     const __m512i bytes = _mm512_maskz_loadu_epi8((__mmask64{1} << 48) - 1, row + chunk * 48);
-    const __m512i codes0 =
-        _mm512_srlv_epi16(_mm512_permutexvar_epi8(s.pairs0.raw, bytes), s.shifts0.raw);
-    const __m512i codes1 =
-        _mm512_srlv_epi16(_mm512_permutexvar_epi8(s.pairs1.raw, bytes), s.shifts1.raw);
+    // (The maskz form of vpermb with every lane kept: GCC 12 warns on the unmasked one.)
+    const __m512i codes0 = _mm512_srlv_epi16(
+        _mm512_maskz_permutexvar_epi8(~__mmask64{0}, s.pairs0.raw, bytes), s.shifts0.raw);
+    const __m512i codes1 = _mm512_srlv_epi16(
+        _mm512_maskz_permutexvar_epi8(~__mmask64{0}, s.pairs1.raw, bytes), s.shifts1.raw);
     x0.raw = _mm512_permutex2var_epi16(s.table0.raw, codes0, s.table1.raw);
     x1.raw = _mm512_permutex2var_epi16(s.table0.raw, codes1, s.table1.raw);
   }

@@ -253,20 +253,28 @@ HWY_INLINE void StoreSums4x4(DF df, const V (&a)[4][4], float scale, float* out,
       rows[r] = hn::Add(hn::BitCast(df, hn::InterleaveLower(d64, t0q, t1q)),
                         hn::BitCast(df, hn::InterleaveUpper(d64, t0q, t1q)));
     }
-    // Blocks (b0 + b2, b1 + b3) of rows 0, 1 and of rows 2, 3; then (b0 + b1) of each row.
+    // Blocks (b0 + b2, b1 + b3) of rows 0, 1 and of rows 2, 3; then their two blocks of each row
+    // added. (_mm512_shuffle_f32x4 would do the second step too, but GCC 12 warns on it.)
     V halves[2];
     for (int p = 0; p < 2; ++p) {
-      const V lo = rows[2 * p], hi = rows[2 * p + 1];
-      halves[p] = hn::Add(V{_mm512_shuffle_f32x4(lo.raw, hi.raw, 0x44)},
-                          V{_mm512_shuffle_f32x4(lo.raw, hi.raw, 0xEE)});
+      halves[p] = hn::Add(hn::ConcatLowerLower(df, rows[2 * p + 1], rows[2 * p]),
+                          hn::ConcatUpperUpper(df, rows[2 * p + 1], rows[2 * p]));
     }
-    const V sums = hn::Mul(hn::Add(V{_mm512_shuffle_f32x4(halves[0].raw, halves[1].raw, 0x88)},
-                                   V{_mm512_shuffle_f32x4(halves[0].raw, halves[1].raw, 0xDD)}),
+    alignas(64) static constexpr std::int32_t kFirst[16] = {0,  1,  2,  3,  8,  9,  10, 11,
+                                                            16, 17, 18, 19, 24, 25, 26, 27};
+    alignas(64) static constexpr std::int32_t kSecond[16] = {4,  5,  6,  7,  12, 13, 14, 15,
+                                                             20, 21, 22, 23, 28, 29, 30, 31};
+    const __m512i first = _mm512_load_si512(kFirst), second = _mm512_load_si512(kSecond);
+    const V sums = hn::Mul(hn::Add(V{_mm512_permutex2var_ps(halves[0].raw, first, halves[1].raw)},
+                                   V{_mm512_permutex2var_ps(halves[0].raw, second, halves[1].raw)}),
                            hn::Set(df, scale));
-    _mm_storeu_ps(out, _mm512_castps512_ps128(sums.raw));
-    _mm_storeu_ps(out + stride, _mm512_extractf32x4_ps(sums.raw, 1));
-    _mm_storeu_ps(out + 2 * stride, _mm512_extractf32x4_ps(sums.raw, 2));
-    _mm_storeu_ps(out + 3 * stride, _mm512_extractf32x4_ps(sums.raw, 3));
+    const hn::Half<DF> dh;
+    const hn::Half<decltype(dh)> dq;
+    const auto rows01 = hn::LowerHalf(dh, sums), rows23 = hn::UpperHalf(dh, sums);
+    hn::StoreU(hn::LowerHalf(dq, rows01), dq, out);
+    hn::StoreU(hn::UpperHalf(dq, rows01), dq, out + stride);
+    hn::StoreU(hn::LowerHalf(dq, rows23), dq, out + 2 * stride);
+    hn::StoreU(hn::UpperHalf(dq, rows23), dq, out + 3 * stride);
     return;
   }
 #endif

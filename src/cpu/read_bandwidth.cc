@@ -64,6 +64,7 @@ HWY_AFTER_NAMESPACE();
 #include <thread>
 #include <vector>
 
+#include "cpu/huge_pages.h"
 #include "cpu/read_bandwidth.h"
 #include "mjolnir/error.h"
 
@@ -127,10 +128,6 @@ std::size_t sysfs_last_level_cache_bytes() {
   return best_bytes;
 }
 
-struct FreeDeleter {
-  void operator()(std::uint8_t* p) const { std::free(p); }
-};
-
 }  // namespace
 
 std::size_t last_level_cache_bytes() {
@@ -152,11 +149,9 @@ double measure_read_bandwidth_gbps(int threads, std::size_t bytes) {
   const std::size_t share =
       (bytes / threads + kShareAlignment - 1) / kShareAlignment * kShareAlignment;
   const std::size_t total = share * static_cast<std::size_t>(threads);
-  // aligned_alloc maps fresh pages without touching them; each thread touches its own share.
-  std::unique_ptr<std::uint8_t, FreeDeleter> buffer(
-      static_cast<std::uint8_t*>(std::aligned_alloc(kShareAlignment, total)));
-  MJOLNIR_REQUIRE(buffer != nullptr, "bytes: cannot allocate ", total,
-                  " bytes for the read-bandwidth buffer");
+  // Fresh pages, not touched yet: each thread touches its own share. Huge pages where the
+  // system gives them, as the bench's cache copies have (huge_pages.h).
+  const HugePageBuffer buffer = allocate_huge_page_buffer(total, "read-bandwidth buffer");
 
   std::barrier start(threads + 1);
   std::barrier done(threads + 1);
@@ -165,7 +160,8 @@ double measure_read_bandwidth_gbps(int threads, std::size_t bytes) {
   workers.reserve(threads);
   for (int t = 0; t < threads; ++t) {
     workers.emplace_back([&, t] {
-      std::uint8_t* mine = buffer.get() + static_cast<std::size_t>(t) * share;
+      auto* mine =
+          reinterpret_cast<std::uint8_t*>(buffer.get()) + static_cast<std::size_t>(t) * share;
       std::memset(mine, 1, share);
       done.arrive_and_wait();
       for (int rep = 0; rep < kRepetitions; ++rep) {
