@@ -68,12 +68,27 @@ def table_header(head: list[str]) -> list[str]:
 
 def fma_ceiling(row: dict, machine: dict) -> float | None:
     """The bandwidth fraction the FMA peak allows: a step does 2 (QK, PV) x Hq x q_len x D
-    multiply-adds per KV token, 2 flops each, whatever the format; bytes are the format's."""
+    multiply-adds per KV token, 2 flops each, whatever the format; bytes are the format's. Where
+    Q . K ran on bf16 dot products (2 multiply-adds per lane and instruction), its half of them
+    counts at twice the peak."""
     if "fma_peak_gflops" not in machine or "read_bandwidth_gbps" not in machine:
         return None
-    flops = 4.0 * row["hq"] * row["q_len"] * row["d"] * row["context"] * row["batch"]
+    qk_share = 0.5 if row.get("qk_bf16_dot") else 1.0
+    flops = 2.0 * (1.0 + qk_share) * row["hq"] * row["q_len"] * row["d"] * row["context"] * row["batch"]
     seconds = flops / (machine["fma_peak_gflops"] * 1e9)
     return min(1.0, row["kv_bytes"] / seconds / (machine["read_bandwidth_gbps"] * 1e9))
+
+
+def modes(rows: list[dict]) -> str:
+    """The numerics modes of the rows, e.g. "Q bf16, P fp32 (Q . K on bf16 dot products for
+    bf16, fp8_e4m3, ...)"."""
+    q = sorted({r.get("q_mode", "fp32") for r in rows})
+    p = sorted({r.get("p_mode", "fp32") for r in rows})
+    text = f"Q {'/'.join(q)}, P {'/'.join(p)}"
+    dot = [f for f in ordered_formats(rows) if any(r["format"] == f and r.get("qk_bf16_dot") for r in rows)]
+    if dot:
+        text += f" (Q . K on bf16 dot products for {', '.join(dot)})"
+    return text
 
 
 def long_table(rows: list[dict], backend: str, machine: dict) -> list[str]:
@@ -87,10 +102,10 @@ def long_table(rows: list[dict], backend: str, machine: dict) -> list[str]:
     head += [f"b{b} {context_label(c)}" for b in batches for c in contexts]
     lines = [
         "Fraction of the measured read bandwidth (KV bytes / median step time / bandwidth), "
-        "Hq 32, Hk 8, D 128, page 16, q_len 1; ✗ marks a miss of the target"
+        f"Hq 32, Hk 8, D 128, page 16, q_len 1, {modes(long)}; ✗ marks a miss of the target"
         + (
             "; the FMA ceiling is the fraction the measured fp32 FMA peak allows (all multiply-adds"
-            " at peak, decoding free)"
+            " at peak, Q . K's at twice it where they ran on bf16 dot products, decoding free)"
             if with_ceiling
             else ""
         )
@@ -199,19 +214,27 @@ def kernel_rates_table(rates: dict, source: str) -> list[str]:
         f"token-head (one KV token of one KV head, all its query rows) against the same work's "
         f"multiply-adds at the measured fp32 FMA peak"
         + (f" ({peak:.0f} GFLOP/s on one core)" if peak else "")
+        + (
+            ", Q . K's at twice it where they run on bf16 dot products (Q in bf16 on a CPU with "
+            "AVX512_BF16)"
+            if any("/qbf16" in b["name"] for b in rows)
+            else ""
+        )
         + ". A kernel at its FMA floor would run at 1.00:",
         "",
-        "| format | g | q_len | ns per token-head | FMA floor (ns) | of FMA peak | GB per CPU-second |",
-        "|---|---|---|---|---|---|---|",
+        "| format | g | q_len | Q | ns per token-head | FMA floor (ns) | of FMA peak | GB per CPU-second |",
+        "|---|---|---|---|---|---|---|---|",
     ]
+    # Names: Decode/FORMAT/gG/q_lenQ[/qMODE] (files before the Q modes have no mode: fp32).
     for f in ordered_formats([{"format": b["name"].split("/")[1]} for b in rows]):
         for b in rows:
-            _, fmt, group, q_len = b["name"].split("/")
+            fmt, group, q_len, *mode = b["name"].split("/")[1:]
             if fmt != f:
                 continue
             ns = b["ns_per_token_head"]
+            q_mode = mode[0][1:] if mode else "fp32"
             lines.append(
-                f"| {f} | {group[1:]} | {q_len[5:]} | {ns:.1f} | {b['fma_floor_ns']:.1f} | "
+                f"| {f} | {group[1:]} | {q_len[5:]} | {q_mode} | {ns:.1f} | {b['fma_floor_ns']:.1f} | "
                 f"{b['fma_floor_ns'] / ns:.2f} | {b['GB_per_cpu_s']:.2f} |"
             )
     return lines

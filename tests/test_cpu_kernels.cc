@@ -190,15 +190,18 @@ void TestDotDecoders() {}
 // stride through all the others, and specials.
 std::vector<float> RoundingInputs(std::mt19937_64& rng) {
   std::vector<float> x;
-  for (std::uint32_t bits = 0; bits < 0x7F800000u; bits += 4099) x.push_back(std::bit_cast<float>(bits));
-  for (int e : {-150, -134, -133, -127, -126, -125, -25, -24, -17, -16, -15, -14, -10, -9, -8, -7,
-                -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 8, 15, 16, 127}) {
+  for (std::uint32_t bits = 0; bits < 0x7F800000u; bits += 4099)
+    x.push_back(std::bit_cast<float>(bits));
+  for (int e :
+       {-150, -134, -133, -127, -126, -125, -25, -24, -17, -16, -15, -14, -10, -9, -8, -7, -6,
+        -5,   -4,   -3,   -2,   -1,   0,    1,   2,   3,   4,   5,   6,   8,   15, 16, 127}) {
     const std::uint32_t base = e < -126 ? 0 : std::uint32_t(e + 127) << 23;
     for (std::uint32_t m = 0; m < (1u << 23); m += (e < -126 ? 1 : 97)) {
       x.push_back(std::bit_cast<float>(base | m));
     }
   }
-  for (int i = 0; i < 100000; ++i) x.push_back(std::bit_cast<float>(std::uint32_t(rng()) & 0x7FFFFFFFu));
+  for (int i = 0; i < 100000; ++i)
+    x.push_back(std::bit_cast<float>(std::uint32_t(rng()) & 0x7FFFFFFFu));
   x.push_back(std::numeric_limits<float>::infinity());
   x.push_back(std::numeric_limits<float>::quiet_NaN());
   x.push_back(std::bit_cast<float>(0x7FFFFFFFu));
@@ -222,8 +225,8 @@ void CheckRounding(const std::vector<float>& inputs) {
     for (std::size_t j = 0; j < n; ++j) {
       const std::uint32_t want_code = encode_minifloat<kSpec>(inputs[i + j]);
       const float want = decode_minifloat<kSpec>(want_code);
-      ASSERT_EQ(codes[j], want_code) << "encode " << inputs[i + j] << " (0x" << std::hex
-                                     << Bits(inputs[i + j]) << ")";
+      ASSERT_EQ(codes[j], want_code)
+          << "encode " << inputs[i + j] << " (0x" << std::hex << Bits(inputs[i + j]) << ")";
       ASSERT_TRUE(Bits(rounded[j]) == Bits(want) || (std::isnan(want) && std::isnan(rounded[j])))
           << "round " << inputs[i + j] << " (0x" << std::hex << Bits(inputs[i + j])
           << "): " << rounded[j] << " vs " << want;
@@ -249,7 +252,8 @@ void TestExp2() {
   // Every float in [-160, 0] is checked for the libm replica: a stride of 1 would be 1.1e9
   // floats; a coprime stride covers every binade and mantissa pattern in a second.
   std::vector<float> x;
-  for (std::uint32_t bits = 0x80000000u; bits <= 0xC3200000u; bits += 61) x.push_back(std::bit_cast<float>(bits));
+  for (std::uint32_t bits = 0x80000000u; bits <= 0xC3200000u; bits += 61)
+    x.push_back(std::bit_cast<float>(bits));
   x.push_back(-std::numeric_limits<float>::infinity());
   x.push_back(-150.0f);
   x.push_back(-149.5f);
@@ -265,7 +269,8 @@ void TestExp2() {
       const float want = std::exp2(x[i + j]);
       if (Bits(libm[j]) != Bits(want)) ++mismatches;
       if (want >= std::ldexp(1.0f, -126)) {
-        const double ulps = std::abs(double(fast[j]) - want) / std::ldexp(1.0, std::ilogb(want) - 23);
+        const double ulps =
+            std::abs(double(fast[j]) - want) / std::ldexp(1.0, std::ilogb(want) - 23);
         worst_fast_ulps = std::max(worst_fast_ulps, ulps);
       } else if (x[i + j] < -126.0f) {
         ASSERT_EQ(fast[j], 0.0f) << x[i + j];
@@ -309,12 +314,14 @@ void TestRowEncoder() {
         if (trial % 5 == 0) std::fill(values.begin(), values.begin() + 16, 0.0f);  // zero block
         const bool per_channel = trial % 2 == 0;
         std::vector<float> scaled(head_dim);
-        for (int c = 0; c < head_dim; ++c) scaled[c] = values[c] / (per_channel ? scales[c] : scales[0]);
+        for (int c = 0; c < head_dim; ++c)
+          scaled[c] = values[c] / (per_channel ? scales[c] : scales[0]);
         encode_row(format, scaled, want);
         std::fill(got.begin(), got.end(), std::byte{0xA5});
-        encode_scaled_row(format, values, per_channel ? std::span<const float>(scales)
-                                                      : std::span<const float>(scales.data(), 1),
-                          got);
+        encode_scaled_row(
+            format, values,
+            per_channel ? std::span<const float>(scales) : std::span<const float>(scales.data(), 1),
+            got);
         ASSERT_EQ(std::memcmp(got.data(), want.data(), want.size()), 0)
             << to_string(format) << " D" << head_dim << " trial " << trial;
       }
@@ -332,12 +339,12 @@ namespace cpu = mjolnir::cpu;
 namespace verify = mjolnir::verify;
 using mjolnir::BackendOptions;
 using mjolnir::Format;
-using mjolnir::PMode;
-using mjolnir::QMode;
-using mjolnir::ScaleGranularity;
 using mjolnir::kAllFormats;
 using mjolnir::kAllLayouts;
 using mjolnir::make_backend;
+using mjolnir::PMode;
+using mjolnir::QMode;
+using mjolnir::ScaleGranularity;
 using namespace mjolnir::cpu;  // the per-target functions HWY_EXPORT names
 
 HWY_BEFORE_TEST(CpuKernelTest);
@@ -395,9 +402,10 @@ TEST_P(CpuKernelMatrix, OddShapesMatchEmulator) {
   }
 }
 
-// Q . K on bf16 dot products (Q in bf16 or fp8 mode, P in fp32, every format whose codes are
-// bf16 values) against the emulator, over group sizes, q_len and D that exercise its 4-row
-// blocks, leftover rows and key groups of fewer than 4; each case must have run on it.
+// Q . K on bf16 dot products (Q in bf16 or fp8 mode, or in fp32 mode with bf16 values; P in
+// fp32; every format whose codes are bf16 values) against the emulator, over group sizes, q_len
+// and D that exercise its 4-row blocks, leftover rows and key groups of fewer than 4; each case
+// must have run on it, and fp32 queries that are not bf16 values must not.
 TEST(CpuBf16Dot, MatchesEmulator) {
   if (!cpu::cpu_has_bf16_dot()) {
     GTEST_SKIP() << "the dispatched target (" << cpu::kernel_target()
@@ -409,7 +417,8 @@ TEST(CpuBf16Dot, MatchesEmulator) {
   int index = 0;
   for (Format format : {Format::bf16, Format::fp8_e4m3, Format::fp8_e5m2, Format::fp6_e2m3,
                         Format::fp6_e3m2, Format::fp4_e2m1}) {
-    for (QMode q_mode : {QMode::bf16, QMode::fp8}) {
+    for (int mode = 0; mode < 4; ++mode) {  // bf16, fp8, fp32 with bf16 queries, plain fp32
+      const QMode q_mode = mode == 0 ? QMode::bf16 : mode == 1 ? QMode::fp8 : QMode::fp32;
       for (const auto [g, q_len] : {std::pair{1, 1}, std::pair{4, 1}, std::pair{8, 1},
                                     std::pair{3, 2}, std::pair{4, 4}, std::pair{5, 3}}) {
         verify::Case c;
@@ -424,16 +433,23 @@ TEST(CpuBf16Dot, MatchesEmulator) {
         s.params.causal = index % 2 == 0;
         s.params.q_mode = q_mode;
         s.params.p_mode = PMode::fp32;
-        s.granularity = ScaleGranularity(index % 3);
+        s.bf16_queries = mode == 2;
+        // Per-channel K scales fold into Q before it is used, so fp32 queries stay bf16 values
+        // only with per-tensor or per-head scales.
+        s.granularity = ScaleGranularity(index % (mode >= 2 ? 2 : 3));
         s.seed = rng();
         c.tile_tokens = 16 << (index % 3);
         c.splits = 1 + index % 2;
         s.seq_lens = {q_len, 113, 301, s.page_size + 1};
         ++index;
-        const std::uint64_t before = cpu::bf16_dot_units();
+        const std::uint64_t before = cpu::bf16_dot_items();
         const verify::CaseResult r = verify::run_case(c, *backend);
         EXPECT_NE(r.status, verify::CaseResult::Status::failed) << c.name() << ": " << r.message;
-        EXPECT_GT(cpu::bf16_dot_units(), before) << c.name() << " did not run on the dot products";
+        if (mode < 3) {
+          EXPECT_GT(cpu::bf16_dot_items(), before) << c.name() << " did not run on them";
+        } else {
+          EXPECT_EQ(cpu::bf16_dot_items(), before) << c.name() << " ran on them";
+        }
       }
     }
   }

@@ -112,10 +112,12 @@ std::vector<Series> sweep_series(bool on_gpu) {
   };
 }
 
-// bench/results/<backend>-sweep-<date>-<machine>.json: the machine named by its CPU (or GPU)
-// model, lower case, runs of other characters as one '-'.
+// bench/results/<backend>-sweep-<date>-<machine>[-q<mode>][-p<mode>].json: the machine named by
+// its CPU (or GPU) model, lower case, runs of other characters as one '-'; the Q and P modes
+// named where they are not fp32.
 std::string sweep_results_path(const std::string& dir, const std::string& backend,
-                               const std::string& date, const std::string& machine) {
+                               const std::string& date, const std::string& machine,
+                               const DecodeParams& params) {
   std::string slug;
   for (const char c : machine) {
     if (std::isalnum(static_cast<unsigned char>(c))) {
@@ -125,7 +127,11 @@ std::string sweep_results_path(const std::string& dir, const std::string& backen
     }
   }
   while (!slug.empty() && slug.back() == '-') slug.pop_back();
-  return dir + "/" + backend + "-sweep-" + date + "-" + (slug.empty() ? "unknown" : slug) + ".json";
+  std::string modes;
+  if (params.q_mode != QMode::fp32) modes += "-q" + std::string(to_string(params.q_mode));
+  if (params.p_mode != PMode::fp32) modes += "-p" + std::string(to_string(params.p_mode));
+  return dir + "/" + backend + "-sweep-" + date + "-" + (slug.empty() ? "unknown" : slug) + modes +
+         ".json";
 }
 
 // Today's UTC date, YYYY-MM-DD.
@@ -154,6 +160,7 @@ struct Row {
   double bandwidth_fraction = 0;
   double floor_us = 0;  // the KV bytes at the measured limit: no step can be faster
   double rel_error_vs_exact = 0;
+  bool qk_bf16_dot = false;  // the CPU ran Q . K on bf16 dot products (cpu/attention_kernel.h)
 
   int batch() const { return static_cast<int>(spec.seq_lens.size()); }
   int context() const { return spec.seq_lens.empty() ? 0 : spec.seq_lens[0]; }
@@ -257,6 +264,8 @@ std::optional<Row> measure(const Backend& host_backend, bool on_gpu,
   Row row;
   row.backend = host_backend.name();
   row.spec = spec;
+  row.qk_bf16_dot = !on_gpu && row.backend == "cpu" && spec.params.p_mode == PMode::fp32 &&
+                    cpu::bf16_dot_applies(spec.format, spec.params.q_mode, spec.head_dim);
   // Working sets below this (or 4x the last-level cache) would time the cache, not memory.
   const std::size_t working_set = std::max(kMinWorkingSetBytes, 4 * cpu::last_level_cache_bytes());
   row.measurement = on_gpu ? measure_cuda(spec, plan_options, timing)
@@ -302,6 +311,7 @@ nlohmann::ordered_json to_json(const Row& row) {
       {"granularity", std::string(to_string(spec.granularity))},
       {"q_mode", std::string(to_string(spec.params.q_mode))},
       {"p_mode", std::string(to_string(spec.params.p_mode))},
+      {"qk_bf16_dot", row.qk_bf16_dot},
       {"median_us", row.measurement.timing.median_us},
       {"runs", row.measurement.timing.runs},
       {"kv_bytes", row.measurement.kv_bytes},
@@ -403,8 +413,8 @@ int run_bench(const BenchOptions& options) {
     const std::string machine = limit.machine.contains("gpu")
                                     ? limit.machine["gpu"].get<std::string>()
                                     : cpu_model_name() + " " + std::to_string(threads) + "t";
-    json_path =
-        sweep_results_path(options.results_dir, std::string(backend->name()), utc_date(), machine);
+    json_path = sweep_results_path(options.results_dir, std::string(backend->name()), utc_date(),
+                                   machine, base_spec(options, runs[0]).params);
   }
   std::ofstream json_file;
   if (!json_path.empty()) {

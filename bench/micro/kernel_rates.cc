@@ -6,12 +6,16 @@
 //
 //   build/bench/micro/kernel_rates --benchmark_filter=Decode [--target=AVX2]
 //
+// Each shape runs with Q in fp32 and in bf16 (".../qbf16"): with Q in bf16, CPUs with AVX512_BF16
+// run Q . K on bf16 dot products (cpu/bf16_dot-inl.h; MJOLNIR_CPU_BF16_DOT=0 turns them off).
+//
 // --target=NAME runs the kernel compiled for Highway target NAME (one of cpu::kernel_targets())
 // rather than the best this CPU supports, e.g. AVX2 on an AVX-512 machine.
 //
 // Counters: ns_per_token_head (one KV token of one KV head: K and V rows, all g x q_len query
-// rows), fma_floor_ns (the same work's 2 x g x q_len x D fp32 multiply-adds at the measured FMA
-// peak), and GB_per_cpu_s (KV bytes per CPU second).
+// rows), fma_floor_ns (the same work's 2 x g x q_len x D multiply-adds at the measured fp32 FMA
+// peak, Q . K's at twice it where they run on bf16 dot products), and GB_per_cpu_s (KV bytes per
+// CPU second).
 #include <benchmark/benchmark.h>
 
 #include <cstddef>
@@ -41,11 +45,9 @@ double fma_peak_flops_one_thread() {
   return flops;
 }
 
-QMode g_q_mode = QMode::fp32;  // --q-mode
-
-void Decode(benchmark::State& state, Format format, int group, int q_len) {
+void Decode(benchmark::State& state, Format format, int group, int q_len, QMode q_mode) {
   verify::ProblemSpec spec;
-  spec.params.q_mode = g_q_mode;
+  spec.params.q_mode = q_mode;
   spec.format = format;
   spec.num_kv_heads = kKvHeads;
   spec.group = group;
@@ -65,7 +67,10 @@ void Decode(benchmark::State& state, Format format, int group, int q_len) {
   for (auto _ : state) backend->run(args, plan, workspace);
 
   const double token_heads = double(kContext) * kKvHeads * state.iterations();
-  const double flops_per_token_head = 4.0 * group * q_len * kHeadDim;  // QK and PV, 2 per FMA
+  // QK and PV, 2 flops per multiply-add; QK's at twice the rate where it runs on bf16 dot
+  // products (2 multiply-adds per lane and instruction).
+  const double qk_share = cpu::bf16_dot_applies(format, q_mode, kHeadDim) ? 0.5 : 1.0;
+  const double flops_per_token_head = 2.0 * group * q_len * kHeadDim * (1.0 + qk_share);
   state.counters["ns_per_token_head"] = benchmark::Counter(
       token_heads / 1e9, benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
   state.counters["fma_floor_ns"] = flops_per_token_head / fma_peak_flops_one_thread() * 1e9;
@@ -79,12 +84,16 @@ void FmaPeak(benchmark::State& state) {
 }
 
 const int registered = [] {
-  for (const Format format : kAllFormats) {
-    for (const auto [group, q_len] : {std::pair{4, 1}, std::pair{4, 4}, std::pair{8, 1}}) {
-      const std::string name = "Decode/" + std::string(to_string(format)) + "/g" +
-                               std::to_string(group) + "/q_len" + std::to_string(q_len);
-      benchmark::RegisterBenchmark(name.c_str(), Decode, format, group, q_len)
-          ->Unit(benchmark::kMicrosecond);
+  // Q in fp32 (the default) and in bf16, where CPUs with AVX512_BF16 run Q . K on dot products.
+  for (const QMode q_mode : {QMode::fp32, QMode::bf16}) {
+    for (const Format format : kAllFormats) {
+      for (const auto [group, q_len] : {std::pair{4, 1}, std::pair{4, 4}, std::pair{8, 1}}) {
+        const std::string name = "Decode/" + std::string(to_string(format)) + "/g" +
+                                 std::to_string(group) + "/q_len" + std::to_string(q_len) + "/q" +
+                                 std::string(to_string(q_mode));
+        benchmark::RegisterBenchmark(name.c_str(), Decode, format, group, q_len, q_mode)
+            ->Unit(benchmark::kMicrosecond);
+      }
     }
   }
   benchmark::RegisterBenchmark("FmaPeak/1thread", FmaPeak)->Iterations(1);
@@ -109,18 +118,7 @@ bool limit_to_target(const std::string& name) {
 int main(int argc, char** argv) {
   std::vector<char*> args;
   for (int i = 0; i < argc; ++i) {
-    if (std::strncmp(argv[i], "--q-mode=", 9) == 0) {
-      const std::string mode = argv[i] + 9;
-      if (mode == "fp32" || mode == "bf16" || mode == "fp8") {
-        mjolnir::g_q_mode = mode == "fp32"   ? mjolnir::QMode::fp32
-                            : mode == "bf16" ? mjolnir::QMode::bf16
-                                             : mjolnir::QMode::fp8;
-      } else {
-        std::fprintf(stderr, "kernel_rates: --q-mode: '%s' is not fp32, bf16 or fp8\n",
-                     mode.c_str());
-        return 2;
-      }
-    } else if (std::strncmp(argv[i], "--target=", 9) != 0) {
+    if (std::strncmp(argv[i], "--target=", 9) != 0) {
       args.push_back(argv[i]);
     } else if (!mjolnir::limit_to_target(argv[i] + 9)) {
       std::fprintf(stderr, "kernel_rates: --target: no compiled target named '%s'\n", argv[i] + 9);
@@ -131,6 +129,9 @@ int main(int argc, char** argv) {
   benchmark::Initialize(&count, args.data());
   if (benchmark::ReportUnrecognizedArguments(count, args.data())) return 1;
   benchmark::AddCustomContext("kernel_target", mjolnir::cpu::kernel_target());
+  benchmark::AddCustomContext(
+      "bf16_dot_products",
+      mjolnir::cpu::cpu_has_bf16_dot() && mjolnir::cpu::bf16_dot_enabled() ? "yes" : "no");
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   return 0;

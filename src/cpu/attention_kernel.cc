@@ -51,7 +51,7 @@
 #include "cpu/tile_prefetcher.h"
 
 namespace mjolnir::cpu {
-extern std::atomic<std::uint64_t> g_bf16_dot_units;  // behind bf16_dot_units()
+extern std::atomic<std::uint64_t> g_bf16_dot_items;  // behind bf16_dot_items()
 }  // namespace mjolnir::cpu
 
 HWY_BEFORE_NAMESPACE();
@@ -169,6 +169,18 @@ float PrepareQuery(const ItemContext& it, float* HWY_RESTRICT qn) {
   }
   const float k_outer = channel_scales ? 1.0f : cache.k_scale_at(it.item->kv_head, 0);
   return sq * k_outer * args.params.effective_softmax_scale(d) * std::numbers::log2e_v<float>;
+}
+
+// Whether every one of the count values is a bf16 value (its low 16 bits are zero): Q in fp32
+// mode is then Q in bf16 mode, a bf16 model's queries with per-tensor or per-head K scales.
+bool AllBf16Values(const float* HWY_RESTRICT x, std::size_t count) {
+  const FloatTag df;
+  const hn::RebindToUnsigned<FloatTag> du;
+  auto low = hn::Zero(du);
+  for (std::size_t i = 0; i < count; i += hn::Lanes(df)) {
+    low = hn::Or(low, hn::BitCast(du, hn::Load(df, x + i)));
+  }
+  return hn::AllTrue(du, hn::Eq(hn::And(low, hn::Set(du, 0xFFFFu)), hn::Zero(du)));
 }
 
 // Largest |q| of the prepared rows.
@@ -342,6 +354,7 @@ struct HeadState {
   ItemContext it;
   float* q;                         // kernel-ready Q: [R][D] (fast) or [D][rows_padded] (exact)
   float kernel_scale;               // turns q . k as computed into log2-scaled scores
+  bool dot;                         // Q . K on bf16 dot products (q: bf16 words)
   float* acc;                       // [R][D] O accumulator, decoder channel order
   RowState state;                   // m, l, alpha: [R] each
   std::int64_t k_offset, v_offset;  // head's K and V rows from a token's base
@@ -362,10 +375,11 @@ void RunUnit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, in
   const bool exact = args.params.p_mode != PMode::fp32;
 #if MJOLNIR_BF16_DOT
   using Dot = typename DotDecoderOf<Decoder>::type;
-  const bool dot =
-      !std::is_void_v<Dot> && !exact && bf16_dot_applies(args.params.q_mode, d) && CpuHasBf16Dot();
+  // Per head below: Q in fp32 mode takes them too where its values are bf16 values.
+  const bool dot_format =
+      !std::is_void_v<Dot> && !exact && bf16_dot_applies(geo.format, QMode::bf16, d);
 #else
-  constexpr bool dot = false;
+  constexpr bool dot_format = false;
 #endif
   const int tile =
       exact ? plan.tile_tokens : FastPathTile(plan.tile_tokens, heads, geo.row_bytes());
@@ -421,8 +435,10 @@ void RunUnit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, in
     std::fill(hs.acc, hs.acc + std::size_t(rows) * ld, 0.0f);
 
     const float score_scale = PrepareQuery(hs.it, qn);
-    if (dot) {  // bf16 words in the dot decoder's channel order, true values
-      if (h == 0) g_bf16_dot_units.fetch_add(1, std::memory_order_relaxed);
+    hs.dot = dot_format &&
+             (args.params.q_mode != QMode::fp32 || AllBf16Values(qn, std::size_t(rows) * d));
+    if (hs.dot) {  // bf16 words in the dot decoder's channel order, true values
+      g_bf16_dot_items.fetch_add(1, std::memory_order_relaxed);
 #if MJOLNIR_BF16_DOT
       if constexpr (!std::is_void_v<Dot>) {
         PrepareDotQuery<Dot>(qn, rows, std::size_t(d), ld, reinterpret_cast<std::uint16_t*>(hs.q));
@@ -499,7 +515,7 @@ void RunUnit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, in
       HeadState& hs = head_state[h];
       const ItemContext& it = hs.it;
       float* probs = probs_all + std::size_t(h) * rows * stride;
-      if (dot) {
+      if (hs.dot) {
 #if MJOLNIR_BF16_DOT
         if constexpr (!std::is_void_v<Dot>) {
           ScoresDot<Dot>(reinterpret_cast<const std::uint16_t*>(hs.q), 2 * ld, rows, std::size_t(d),
@@ -650,7 +666,7 @@ void* KernelScratch::bytes(std::size_t count) {
   return bytes_.get();
 }
 
-std::atomic<std::uint64_t> g_bf16_dot_units{0};
+std::atomic<std::uint64_t> g_bf16_dot_items{0};
 
 namespace {
 std::atomic<bool>& bf16_dot_flag() {
@@ -665,14 +681,16 @@ std::atomic<bool>& bf16_dot_flag() {
 void set_bf16_dot_enabled(bool enabled) { bf16_dot_flag().store(enabled); }
 bool bf16_dot_enabled() { return bf16_dot_flag().load(std::memory_order_relaxed); }
 
-bool bf16_dot_applies(QMode q_mode, int head_dim) {
-  return bf16_dot_enabled() && (q_mode == QMode::bf16 || q_mode == QMode::fp8) &&
-         head_dim % 64 == 0;
+bool bf16_dot_applies(Format format, QMode q_mode, int head_dim) {
+  // The formats whose codes are all bf16 values (bf16_dot-inl.h has a decoder for each).
+  const bool bf16_codes = format != Format::fp16 && format != Format::nvfp4;
+  return bf16_codes && (q_mode == QMode::bf16 || q_mode == QMode::fp8) && head_dim % 64 == 0 &&
+         bf16_dot_enabled() && cpu_has_bf16_dot();
 }
 
 bool cpu_has_bf16_dot() { return HWY_DYNAMIC_DISPATCH(HasBf16Dot)(); }
 
-std::uint64_t bf16_dot_units() { return g_bf16_dot_units.load(); }
+std::uint64_t bf16_dot_items() { return g_bf16_dot_items.load(); }
 
 void run_work_unit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, int heads,
                    KernelScratch& scratch, const ItemOutput* outs) {

@@ -62,17 +62,20 @@ void run_work_unit(const DecodeArgs& args, const Plan& plan, const WorkItem* ite
 // instruction of fp32 FMAs, in steps where it is exact: Q in bf16 or fp8 mode, P in fp32, K in
 // bf16, fp8, fp6 or fp4_e2m1 (not fp16 or nvfp4), D a multiple of 64, on a CPU with AVX512_BF16
 // and AVX512_VBMI.
-// Enabled by default; MJOLNIR_CPU_BF16_DOT=0 in the environment, or set_bf16_dot_enabled(false),
-// keeps Q . K on fp32 FMAs (tests and benchmarks compare the two).
+// Q in fp32 mode whose values are all bf16 values (a bf16 model's queries, with per-tensor or
+// per-head K scales) is Q in bf16 mode, and takes them too. Enabled by default;
+// MJOLNIR_CPU_BF16_DOT=0 in the environment, or set_bf16_dot_enabled(false), keeps Q . K on
+// fp32 FMAs (tests and benchmarks compare the two).
 void set_bf16_dot_enabled(bool enabled);
 bool bf16_dot_enabled();
-// Whether steps with this Q mode and head size use it where the CPU has it (enabled, and the
-// mode and size allow it; the format is checked by the kernel).
-bool bf16_dot_applies(QMode q_mode, int head_dim);
+// Whether steps of this format, Q mode and head size run Q . K on the dot products here (the
+// CPU has them, they are enabled, and the step is one where they are exact), with P in fp32.
+bool bf16_dot_applies(Format format, QMode q_mode, int head_dim);
 // Whether the dispatched target has the dot products compiled and the CPU runs them.
 bool cpu_has_bf16_dot();
-// Units whose Q . K ran on the dot products since the process started (tests check it moves).
-std::uint64_t bf16_dot_units();
+// Work items (one KV head's rows against a token range) whose Q . K ran on the dot products since
+// the process started: tests check which steps take them.
+std::uint64_t bf16_dot_items();
 
 // Highway targets the kernel is compiled for, best first, and the one run() uses on this CPU
 // (honouring hwy::DisableTargets / SetSupportedTargetsForTest).

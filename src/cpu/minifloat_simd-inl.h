@@ -40,9 +40,8 @@ constexpr float min_normal() {
 // subnormal quantum 2^(emin - m), ties to even (its fp32 ulp is exactly that quantum).
 template <MinifloatSpec kSpec>
 constexpr float subnormal_rounder() {
-  return 1.5f * minifloat_detail::exact_power_of_two(kFloatMantissaBits +
-                                                      kSpec.min_normal_exponent() -
-                                                      kSpec.mantissa_bits);
+  return 1.5f * minifloat_detail::exact_power_of_two(
+                    kFloatMantissaBits + kSpec.min_normal_exponent() - kSpec.mantissa_bits);
 }
 
 // |x| rounded onto the format's grid, for |x| <= max_finite (no NaN).
@@ -86,26 +85,23 @@ HWY_INLINE hn::Vec<hn::RebindToUnsigned<DF>> EncodeMinifloat(DF df, hn::Vec<DF> 
   const auto r = detail::RoundMagnitude<kSpec>(df, a);
   // Normal: re-bias the fp32 exponent and keep the top mantissa bits.
   constexpr int kDrop = detail::kFloatMantissaBits - kSpec.mantissa_bits;
-  const auto normal_code =
-      hn::Sub(hn::ShiftRight<kDrop>(hn::BitCast(du, r)),
-              hn::Set(du, std::uint32_t(detail::kFloatBias - kSpec.exponent_bias)
-                              << kSpec.mantissa_bits));
+  const auto normal_code = hn::Sub(
+      hn::ShiftRight<kDrop>(hn::BitCast(du, r)),
+      hn::Set(du, std::uint32_t(detail::kFloatBias - kSpec.exponent_bias) << kSpec.mantissa_bits));
   auto code = normal_code;
   if constexpr (kSpec.exponent_bias != detail::kFloatBias) {
     // Subnormal: the multiple of the quantum, exactly (r is already on the grid). A format with
     // fp32's exponent range (bf16) has fp32's subnormals, which the normal path already covers.
-    const float inverse_quantum = minifloat_detail::exact_power_of_two(
-        kSpec.mantissa_bits - kSpec.min_normal_exponent());
+    const float inverse_quantum =
+        minifloat_detail::exact_power_of_two(kSpec.mantissa_bits - kSpec.min_normal_exponent());
     const auto subnormal_code =
         hn::BitCast(du, hn::ConvertTo(di, hn::Mul(r, hn::Set(df, inverse_quantum))));
-    code = hn::IfThenElse(
-        hn::RebindMask(du, hn::Lt(r, hn::Set(df, detail::min_normal<kSpec>()))), subnormal_code,
-        normal_code);
+    code = hn::IfThenElse(hn::RebindMask(du, hn::Lt(r, hn::Set(df, detail::min_normal<kSpec>()))),
+                          subnormal_code, normal_code);
   }
   const auto sign = hn::ShiftRight<31>(hn::BitCast(du, x));
   code = hn::Or(code, hn::ShiftLeft<kSpec.exponent_bits + kSpec.mantissa_bits>(sign));
-  return hn::IfThenElse(hn::RebindMask(du, hn::IsNaN(x)), hn::Set(du, kSpec.nan_encoding()),
-                        code);
+  return hn::IfThenElse(hn::RebindMask(du, hn::IsNaN(x)), hn::Set(du, kSpec.nan_encoding()), code);
 }
 
 #endif  // !MJOLNIR_PORTABLE_TARGET

@@ -129,8 +129,8 @@ HWY_INLINE void SoftmaxRows4(int r, float* HWY_RESTRICT scores, float* HWY_RESTR
       hn::Store(pv, df, p[j] + i);
     }
   }
-  const auto tile_sum = hn::Mul(Reduce4(df, sum[0], sum[1], sum[2], sum[3]),
-                                hn::Set(d4, std::ldexp(1.0f, -p_exp)));
+  const auto tile_sum =
+      hn::Mul(Reduce4(df, sum[0], sum[1], sum[2], sum[3]), hn::Set(d4, std::ldexp(1.0f, -p_exp)));
   const auto alpha = Exp2Fast(d4, hn::Sub(m_old, m_new), 0);  // 0 on a row's first tile
   hn::StoreU(alpha, d4, state.alpha + r);
   hn::StoreU(hn::MulAdd(hn::LoadU(d4, state.l + r), alpha, tile_sum), d4, state.l + r);

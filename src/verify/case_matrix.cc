@@ -83,7 +83,7 @@ std::string Case::name() const {
      << s.head_dim << "/g" << s.group << "/q" << s.params.q_len << "/"
      << (s.params.causal ? "causal" : "noncausal") << "/splits" << splits << "/T" << tile_tokens
      << "/Q" << to_string(s.params.q_mode) << "/P" << to_string(s.params.p_mode) << "/"
-     << to_string(s.granularity) << "/lens";
+     << to_string(s.granularity) << (s.bf16_queries ? "/bf16queries" : "") << "/lens";
   for (int len : s.seq_lens) os << "_" << len;
   os << "/seed" << s.seed;
   return os.str();
@@ -170,8 +170,8 @@ CaseResult run_case(const Case& c, const Backend& backend) {
     for (std::size_t i = 0; i < o.size(); ++i) {
       if (!std::isfinite(o[i])) {
         std::ostringstream os;
-        os << "o[" << i / (std::size_t(hq) * d) << "][" << (i / d) % hq << "][" << i % d
-           << "] is " << o[i] << " (NaN: row not written or bad read)";
+        os << "o[" << i / (std::size_t(hq) * d) << "][" << (i / d) % hq << "][" << i % d << "] is "
+           << o[i] << " (NaN: row not written or bad read)";
         return fail(os.str());
       }
     }
@@ -208,7 +208,8 @@ CaseResult run_case(const Case& c, const Backend& backend) {
       result.error_vs_emulator = rel_l2(o, want);
       double lse_diff = 0;
       for (std::size_t i = 0; i < lse.size(); ++i) {
-        if (std::isfinite(lse[i])) lse_diff = std::max<double>(lse_diff, std::abs(lse[i] - problem.lse()[i]));
+        if (std::isfinite(lse[i]))
+          lse_diff = std::max<double>(lse_diff, std::abs(lse[i] - problem.lse()[i]));
       }
       const double tol = emulator_tolerance(c.spec.params);
       if (result.error_vs_emulator > tol || lse_diff > 1e-4) {
@@ -221,8 +222,8 @@ CaseResult run_case(const Case& c, const Backend& backend) {
 
     // Against the exact reference: on the decoded cache (the mode's error), then on the
     // original K/V (the format's and mode's error together).
-    const auto exact_codes = reference::exact_attention(
-        args, reference::kv_rows_from_cache(args.cache, args.batch));
+    const auto exact_codes =
+        reference::exact_attention(args, reference::kv_rows_from_cache(args.cache, args.batch));
     result.mode_error = rel_l2(o, exact_codes.o);
     result.mode_bound = mode_error_bound(c.spec.params);
     if (result.mode_error > result.mode_bound) {

@@ -1,6 +1,8 @@
 // Problem: builds a filled paged cache, queries and outputs from a ProblemSpec.
 #include "verify/problem.h"
 
+#include "core/minifloat.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -8,6 +10,7 @@
 #include <numeric>
 #include <random>
 
+#include "core/minifloat.h"
 #include "mjolnir/calibrate.h"
 #include "mjolnir/error.h"
 #include "mjolnir/write_kv.h"
@@ -129,7 +132,10 @@ Problem::Problem(const ProblemSpec& spec) : spec_(spec) {
   const std::size_t q_floats =
       std::size_t(num_seqs) * spec.params.q_len * spec_.params.num_q_heads * d;
   q_.resize(q_floats);
-  for (float& x : q_) x = normal(rng);
+  for (float& x : q_) {
+    x = normal(rng);
+    if (spec_.bf16_queries) x = decode_minifloat<kBf16Spec>(encode_minifloat<kBf16Spec>(x));
+  }
   o_.assign(q_floats + 2 * kGuardFloats, kOutputSentinel);
   lse_.assign(
       std::size_t(num_seqs) * spec.params.q_len * spec_.params.num_q_heads + 2 * kGuardFloats,

@@ -29,6 +29,8 @@ struct ProblemSpec {
   // caches read the same bytes as distinct data would, without minutes of drawing and gigabytes
   // of floats (a batch of 8 x 128k tokens is 2G values).
   int distinct_positions = 0;
+  // Queries rounded to bf16 values, as a bf16 model's are (whatever the Q mode).
+  bool bf16_queries = false;
   // Distribution: K has a few outlier channels (x8) as real models do; V is plain N(0, 1).
   std::uint64_t seed = 1;
 };
