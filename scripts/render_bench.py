@@ -204,13 +204,19 @@ def shapes_table(rows: list[dict]) -> list[str]:
 
 
 def kernel_rates_table(rates: dict, source: str) -> list[str]:
-    """bench/micro/kernel_rates: one core, cache resident, CPU time per token-head."""
+    """bench/micro/kernel_rates: one core, cache resident, CPU time per token-head. Where the file
+    holds repetitions, their medians (Google Benchmark's "_median" aggregates)."""
     rows = [b for b in rates["benchmarks"] if b["name"].startswith("Decode/")]
+    medians = [b for b in rows if b.get("aggregate_name") == "median"]
+    if medians:
+        rows = [dict(b, name=b["name"].removesuffix("_median")) for b in medians]
     if not rows:
         return []
     peak = next((b["gflops"] for b in rates["benchmarks"] if b["name"].startswith("FmaPeak")), None)
     lines = [
-        f"One core, cache resident (`{source}`, from `bench/micro/kernel_rates`): CPU time per "
+        f"One core, cache resident (`{source}`, from `bench/micro/kernel_rates`"
+        + (f", median of {medians[0].get('repetitions', 'several')} runs" if medians else "")
+        + "): CPU time per "
         f"token-head (one KV token of one KV head, all its query rows) against the same work's "
         f"multiply-adds at the measured fp32 FMA peak"
         + (f" ({peak:.0f} GFLOP/s on one core)" if peak else "")
@@ -225,7 +231,13 @@ def kernel_rates_table(rates: dict, source: str) -> list[str]:
         "| format | g | q_len | Q | ns per token-head | FMA floor (ns) | of FMA peak | GB per CPU-second |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    # Names: Decode/FORMAT/gG/q_lenQ[/qMODE] (files before the Q modes have no mode: fp32).
+    # Names: Decode/FORMAT/gG/q_lenQ[/qMODE] (files before the Q modes have no mode: fp32); rows
+    # of a format by Q mode, then g and q_len (interleaved runs list them in any order).
+    def order(b: dict) -> tuple:
+        _, _, group, q_len, *mode = b["name"].split("/")
+        return (mode != [] and mode[0] != "qfp32", int(group[1:]) * 10 + int(q_len[5:]))
+
+    rows = sorted(rows, key=order)
     for f in ordered_formats([{"format": b["name"].split("/")[1]} for b in rows]):
         for b in rows:
             fmt, group, q_len, *mode = b["name"].split("/")[1:]

@@ -24,8 +24,10 @@ results=$(sed -n 's/^results: //p' "$log")
 rm -f "$log"
 rates="${results%.json}"
 rates="${rates/cpu-sweep-/kernel-rates-}.json"
-build/bench/micro/kernel_rates --benchmark_filter='Decode|FmaPeak' --benchmark_min_time=0.3 \
-  --benchmark_out="$rates" --benchmark_out_format=json
+# Five runs of each, interleaved, and their medians: on a shared host one run can be 30% off.
+build/bench/micro/kernel_rates --benchmark_filter='Decode|FmaPeak' --benchmark_min_time=0.2 \
+  --benchmark_repetitions=5 --benchmark_enable_random_interleaving=true \
+  --benchmark_report_aggregates_only=true --benchmark_out="$rates" --benchmark_out_format=json
 python3 scripts/render_bench.py "$results" --kernel-rates "$rates" --doc docs/cpu-performance.md \
   --plot docs/img/cpu-sweep.svg
 echo "sweep: $results, $rates -> docs/cpu-performance.md, docs/img/cpu-sweep.svg"
