@@ -106,31 +106,41 @@ HWY_INLINE void SoftmaxRows4(int r, float* HWY_RESTRICT scores, float* HWY_RESTR
   const std::size_t padded = (std::size_t(count) + n - 1) / n * n;
   float* s[4];
   float* p[4];
-  hn::Vec<WideFloatTag> vmax[4], sum[4];
   for (int j = 0; j < 4; ++j) {
     s[j] = scores + std::size_t(r + j) * stride;
     p[j] = probs + std::size_t(r + j) * stride;
     std::fill(s[j] + live[j], s[j] + padded, -std::numeric_limits<float>::infinity());
-    vmax[j] = hn::Set(df, -std::numeric_limits<float>::infinity());
-    sum[j] = hn::Zero(df);
   }
+  // Four named vectors, not arrays: SVE's sizeless vectors cannot be array elements.
+  const auto neg_inf = hn::Set(df, -std::numeric_limits<float>::infinity());
+  auto max0 = neg_inf, max1 = neg_inf, max2 = neg_inf, max3 = neg_inf;
   for (std::size_t i = 0; i < padded; i += n) {
-    for (int j = 0; j < 4; ++j) vmax[j] = hn::Max(vmax[j], hn::Load(df, s[j] + i));
+    max0 = hn::Max(max0, hn::Load(df, s[0] + i));
+    max1 = hn::Max(max1, hn::Load(df, s[1] + i));
+    max2 = hn::Max(max2, hn::Load(df, s[2] + i));
+    max3 = hn::Max(max3, hn::Load(df, s[3] + i));
   }
   const auto m_old = hn::LoadU(d4, state.m + r);
-  const auto m_new =
-      hn::Max(m_old, Reduce4By(df, MaxLanesOp(), vmax[0], vmax[1], vmax[2], vmax[3]));
+  const auto m_new = hn::Max(m_old, Reduce4By(df, MaxLanesOp(), max0, max1, max2, max3));
   alignas(16) float m[4];
   hn::Store(m_new, d4, m);
+  const auto m0 = hn::Set(df, m[0]), m1 = hn::Set(df, m[1]), m2 = hn::Set(df, m[2]),
+             m3 = hn::Set(df, m[3]);
+  auto sum0 = hn::Zero(df), sum1 = hn::Zero(df), sum2 = hn::Zero(df), sum3 = hn::Zero(df);
+  const auto exp_row = [&](float* HWY_RESTRICT si, float* HWY_RESTRICT pi, auto mi, auto& sum,
+                           std::size_t i) HWY_ATTR {
+    const auto pv = Exp2Fast(df, hn::Sub(hn::Load(df, si + i), mi), p_exp);
+    sum = hn::Add(sum, pv);
+    hn::Store(pv, df, pi + i);
+  };
   for (std::size_t i = 0; i < padded; i += n) {
-    for (int j = 0; j < 4; ++j) {
-      const auto pv = Exp2Fast(df, hn::Sub(hn::Load(df, s[j] + i), hn::Set(df, m[j])), p_exp);
-      sum[j] = hn::Add(sum[j], pv);
-      hn::Store(pv, df, p[j] + i);
-    }
+    exp_row(s[0], p[0], m0, sum0, i);
+    exp_row(s[1], p[1], m1, sum1, i);
+    exp_row(s[2], p[2], m2, sum2, i);
+    exp_row(s[3], p[3], m3, sum3, i);
   }
   const auto tile_sum =
-      hn::Mul(Reduce4(df, sum[0], sum[1], sum[2], sum[3]), hn::Set(d4, std::ldexp(1.0f, -p_exp)));
+      hn::Mul(Reduce4(df, sum0, sum1, sum2, sum3), hn::Set(d4, std::ldexp(1.0f, -p_exp)));
   const auto alpha = Exp2Fast(d4, hn::Sub(m_old, m_new), 0);  // 0 on a row's first tile
   hn::StoreU(alpha, d4, state.alpha + r);
   hn::StoreU(hn::MulAdd(hn::LoadU(d4, state.l + r), alpha, tile_sum), d4, state.l + r);
