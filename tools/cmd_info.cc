@@ -43,7 +43,7 @@ int run_info() {
   std::printf("CPU: %s, %d hardware threads, last-level cache %s\n", cpu_model_name().c_str(),
               hardware_threads(), format_bytes(cpu::last_level_cache_bytes()).c_str());
   std::printf("bf16 dot products (Q . K with Q in bf16 or fp8): %s\n",
-              !cpu::cpu_has_bf16_dot() ? "no (the dispatched target or the CPU lacks AVX512_BF16)"
+              !cpu::cpu_has_bf16_dot()  ? "no (the dispatched target or the CPU lacks AVX512_BF16)"
               : cpu::bf16_dot_enabled() ? "yes"
                                         : "off (MJOLNIR_CPU_BF16_DOT=0)");
   std::printf("transparent huge pages: %s\n", cpu::transparent_huge_pages_mode().c_str());

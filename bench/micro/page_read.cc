@@ -61,8 +61,7 @@ std::uint64_t ReadChunk(const std::uint8_t* pool, const std::int32_t* pages, int
                         const std::int64_t* v_offsets) {
   const std::size_t token_stride = kHeads * o.row_bytes;
   const std::size_t page_bytes = 2 * kPageTokens * token_stride;
-  const int tile =
-      std::min<int>(64, std::max<int>(8, int(kTileBytes / (2 * token_stride)) & ~7));
+  const int tile = std::min<int>(64, std::max<int>(8, int(kTileBytes / (2 * token_stride)) & ~7));
   std::vector<const std::uint8_t*> bases(2 * tile);
   const auto fill = [&](int first, const std::uint8_t** out) {
     const int n = std::max(0, std::min(tile, end - first));
@@ -115,8 +114,8 @@ std::uint64_t ReadChunk(const std::uint8_t* pool, const std::int32_t* pages, int
 double Measure(const Options& o, int threads) {
   const std::size_t token_stride = kHeads * o.row_bytes;
   const std::size_t page_bytes = 2 * kPageTokens * token_stride;
-  const std::size_t working_set = std::max<std::size_t>(std::size_t(1536) << 20,
-                                                        4 * mjolnir::cpu::last_level_cache_bytes());
+  const std::size_t working_set =
+      std::max<std::size_t>(std::size_t(1536) << 20, 4 * mjolnir::cpu::last_level_cache_bytes());
   const std::size_t num_pages = working_set / page_bytes;
   const int step_pages = o.tokens / kPageTokens;
   mjolnir::cpu::HugePageBuffer pool_buffer =
@@ -198,11 +197,11 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  std::printf("page_read: rows of %zu bytes, %d heads, pages of %d tokens, %d tokens a step, %s, "
-              "%s pages, %d multiply-adds per line\n",
-              o.row_bytes, kHeads, kPageTokens, o.tokens,
-              o.prefetch ? "prefetched" : "not prefetched", o.huge_pages ? "huge" : "small",
-              o.work);
+  std::printf(
+      "page_read: rows of %zu bytes, %d heads, pages of %d tokens, %d tokens a step, %s, "
+      "%s pages, %d multiply-adds per line\n",
+      o.row_bytes, kHeads, kPageTokens, o.tokens, o.prefetch ? "prefetched" : "not prefetched",
+      o.huge_pages ? "huge" : "small", o.work);
   for (int threads = 1; threads <= o.threads; ++threads) {
     const double paged = Measure(o, threads);
     const double sequential = mjolnir::cpu::measure_read_bandwidth_gbps(threads);
