@@ -40,10 +40,17 @@ HWY_INLINE int LiveTokens(const ItemContext& it, int r, int first, int count) {
   return std::clamp(last - first + 1, 0, count);
 }
 
+// The power of two 2^exp folded into P (and its inverse, for the running sum), worked out once
+// per tile: std::ldexp is a libm call.
+struct PFold {
+  int exp;
+  float scale, inverse;
+};
+
 // One row of SoftmaxTile.
 HWY_INLINE void SoftmaxRow(const ItemContext& it, int r, float* HWY_RESTRICT scores,
                            float* HWY_RESTRICT probs, std::size_t stride, int live, int count,
-                           int p_exp, const RowState& state) {
+                           const PFold& fold, const RowState& state) {
   const WideFloatTag df;
   const std::size_t n = hn::Lanes(df);
   const std::size_t padded = (std::size_t(count) + n - 1) / n * n;
@@ -64,13 +71,13 @@ HWY_INLINE void SoftmaxRow(const ItemContext& it, int r, float* HWY_RESTRICT sco
   float tile_sum;
   if (it.p_mode == PMode::fp32) {
     for (std::size_t i = 0; i < padded; i += n) {
-      const auto pv = Exp2Fast(df, hn::Sub(hn::Load(df, s + i), vm), p_exp);
+      const auto pv = Exp2Fast(df, hn::Sub(hn::Load(df, s + i), vm), fold.exp);
       sum = hn::Add(sum, pv);
       hn::Store(pv, df, p + i);
     }
-    tile_sum = hn::GetLane(hn::SumOfLanes(df, sum)) * std::ldexp(1.0f, -p_exp);
+    tile_sum = hn::GetLane(hn::SumOfLanes(df, sum)) * fold.inverse;
   } else {
-    const auto vscale = hn::Set(df, std::ldexp(1.0f, p_exp));
+    const auto vscale = hn::Set(df, fold.scale);
     const auto fp8_scale = hn::Set(df, 256.0f);
     for (std::size_t i = 0; i < padded; i += n) {
       const auto pv = Exp2Exact(df, hn::Sub(hn::Load(df, s + i), vm));
@@ -98,7 +105,7 @@ HWY_INLINE void SoftmaxRow(const ItemContext& it, int r, float* HWY_RESTRICT sco
 // transpose-and-reduce for four rows instead of a reduction each, one exp2 for the four alphas),
 // so the rows' dependency chains overlap.
 HWY_INLINE void SoftmaxRows4(int r, float* HWY_RESTRICT scores, float* HWY_RESTRICT probs,
-                             std::size_t stride, const int* live, int count, int p_exp,
+                             std::size_t stride, const int* live, int count, const PFold& fold,
                              const RowState& state) {
   const WideFloatTag df;
   const Float4Tag d4;
@@ -129,7 +136,7 @@ HWY_INLINE void SoftmaxRows4(int r, float* HWY_RESTRICT scores, float* HWY_RESTR
   auto sum0 = hn::Zero(df), sum1 = hn::Zero(df), sum2 = hn::Zero(df), sum3 = hn::Zero(df);
   const auto exp_row = [&](float* HWY_RESTRICT si, float* HWY_RESTRICT pi, auto mi, auto& sum,
                            std::size_t i) HWY_ATTR {
-    const auto pv = Exp2Fast(df, hn::Sub(hn::Load(df, si + i), mi), p_exp);
+    const auto pv = Exp2Fast(df, hn::Sub(hn::Load(df, si + i), mi), fold.exp);
     sum = hn::Add(sum, pv);
     hn::Store(pv, df, pi + i);
   };
@@ -139,8 +146,7 @@ HWY_INLINE void SoftmaxRows4(int r, float* HWY_RESTRICT scores, float* HWY_RESTR
     exp_row(s[2], p[2], m2, sum2, i);
     exp_row(s[3], p[3], m3, sum3, i);
   }
-  const auto tile_sum =
-      hn::Mul(Reduce4(df, sum0, sum1, sum2, sum3), hn::Set(d4, std::ldexp(1.0f, -p_exp)));
+  const auto tile_sum = hn::Mul(Reduce4(df, sum0, sum1, sum2, sum3), hn::Set(d4, fold.inverse));
   const auto alpha = Exp2Fast(d4, hn::Sub(m_old, m_new), 0);  // 0 on a row's first tile
   hn::StoreU(alpha, d4, state.alpha + r);
   hn::StoreU(hn::MulAdd(hn::LoadU(d4, state.l + r), alpha, tile_sum), d4, state.l + r);
@@ -152,6 +158,7 @@ HWY_INLINE void SoftmaxRows4(int r, float* HWY_RESTRICT scores, float* HWY_RESTR
 // probs [R][stride]; rows that see none of the tile keep their state (alpha = 1, P = 0).
 void SoftmaxTile(const ItemContext& it, float* HWY_RESTRICT scores, float* HWY_RESTRICT probs,
                  std::size_t stride, int first, int count, int p_exp, const RowState& state) {
+  const PFold fold{p_exp, std::ldexp(1.0f, p_exp), std::ldexp(1.0f, -p_exp)};  // exact
   int r = 0;
   if (it.p_mode == PMode::fp32) {
     for (; r + 4 <= it.rows; r += 4) {
@@ -162,16 +169,16 @@ void SoftmaxTile(const ItemContext& it, float* HWY_RESTRICT scores, float* HWY_R
         all_live &= live[j] > 0;
       }
       if (all_live) {
-        SoftmaxRows4(r, scores, probs, stride, live, count, p_exp, state);
+        SoftmaxRows4(r, scores, probs, stride, live, count, fold, state);
       } else {
         for (int j = 0; j < 4; ++j) {
-          SoftmaxRow(it, r + j, scores, probs, stride, live[j], count, p_exp, state);
+          SoftmaxRow(it, r + j, scores, probs, stride, live[j], count, fold, state);
         }
       }
     }
   }
   for (; r < it.rows; ++r) {
-    SoftmaxRow(it, r, scores, probs, stride, LiveTokens(it, r, first, count), count, p_exp, state);
+    SoftmaxRow(it, r, scores, probs, stride, LiveTokens(it, r, first, count), count, fold, state);
   }
 }
 
