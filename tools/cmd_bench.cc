@@ -91,7 +91,7 @@ Series series_from_flags(const BenchOptions& options) {
                 parse_heads(options.heads),
                 options.head_dim,
                 options.q_len,
-                {options.batch},
+                options.batches,
                 options.contexts,
                 parse_formats(options.formats)};
 }
@@ -324,6 +324,21 @@ nlohmann::ordered_json to_json(const Row& row) {
   };
 }
 
+// CLI11's PositiveNumber and NonNegativeNumber print the whole range of a double ("0.000000 to
+// 1797693134862315...") when a value is out of it; these say what the argument must be.
+CLI::Validator NumberAtLeast(double least, bool inclusive, const char* description) {
+  return CLI::Validator(
+      [=](std::string& text) -> std::string {
+        double value = 0;
+        if (!CLI::detail::lexical_cast(text, value)) return "'" + text + "' is not a number";
+        if (inclusive ? value >= least : value > least) return {};
+        return std::string("must be ") + description + ", got " + text;
+      },
+      description);
+}
+const CLI::Validator kPositive = NumberAtLeast(0, false, "positive");
+const CLI::Validator kNonNegative = NumberAtLeast(0, true, "at least 0");
+
 }  // namespace
 
 CLI::App* add_bench_command(CLI::App& app, BenchOptions& options) {
@@ -337,10 +352,11 @@ CLI::App* add_bench_command(CLI::App& app, BenchOptions& options) {
       ->capture_default_str();
   cmd->add_option("--context", options.contexts, "KV tokens per sequence (repeatable or list)")
       ->delimiter(',')
-      ->check(CLI::PositiveNumber)
+      ->check(kPositive)
       ->capture_default_str();
-  cmd->add_option("--batch", options.batch, "Sequences in the step")
-      ->check(CLI::PositiveNumber)
+  cmd->add_option("--batch", options.batches, "Sequences in the step (repeatable or list)")
+      ->delimiter(',')
+      ->check(kPositive)
       ->capture_default_str();
   cmd->add_option("--q-len", options.q_len, "Query tokens per sequence (1 + speculative)")
       ->check(CLI::Range(1, kMaxQLen))
@@ -355,19 +371,19 @@ CLI::App* add_bench_command(CLI::App& app, BenchOptions& options) {
   cmd->add_option("--q-mode", options.q_mode, "Q numerics: fp32, bf16, fp8")->capture_default_str();
   cmd->add_option("--p-mode", options.p_mode, "P numerics: fp32, bf16, fp8")->capture_default_str();
   cmd->add_option("--threads", options.threads, "CPU threads (0: every hardware thread)")
-      ->check(CLI::NonNegativeNumber)
+      ->check(kNonNegative)
       ->capture_default_str();
   cmd->add_option("--max-splits", options.max_splits,
                   "Cap on split-KV chunks per sequence (0: as many as fill the device at the "
                   "batch, at least 16)")
-      ->check(CLI::NonNegativeNumber)
+      ->check(kNonNegative)
       ->capture_default_str();
   cmd->add_option("--iterations", options.iterations,
                   "Timed runs per configuration (0: as many as fit in --min-time)")
-      ->check(CLI::NonNegativeNumber)
+      ->check(kNonNegative)
       ->capture_default_str();
   cmd->add_option("--min-time", options.min_time_s, "Seconds to time each configuration for")
-      ->check(CLI::PositiveNumber)
+      ->check(kPositive)
       ->capture_default_str();
   cmd->add_option("--seed", options.seed, "Seed of the generated cache")->capture_default_str();
   cmd->add_option("--json", options.json_path, "Also write the results to this JSON file");

@@ -18,7 +18,7 @@ struct BenchOptions {
   std::string backend = "cpu";
   std::vector<std::string> formats = {"fp8_e4m3"};  // or "all"
   std::vector<int> contexts = {8192};
-  int batch = 8;
+  std::vector<int> batches = {8};
   int q_len = 1;
   std::string heads = "32:8";  // Hq:Hk
   int head_dim = 128;
