@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <cstring>
 #include <random>
+#include <type_traits>
 #include <vector>
 
 #include "core/minifloat.h"
@@ -40,6 +41,7 @@ namespace hn = hwy::HWY_NAMESPACE;
 // The fallback target runs the scalar path; the case-matrix tests below cover it.
 void TestDecoders() {}
 void TestDotDecoders() {}
+void TestNvfp4DotScales() {}
 void TestRounding() {}
 void TestExp2() {}
 
@@ -149,15 +151,46 @@ void CheckDotDecoder(Format format) {
         Dot::Decode(state, src, c, x0, x1);
         hn::Store(x0, dw, words[0]);
         hn::Store(x1, dw, words[1]);
+        // nvfp4: the word times its lane's block scale (lane w / 2 sums words w and w + 1); the
+        // product of the two is exact in fp32.
+        alignas(64) float scales[16];
+        std::fill_n(scales, 16, 1.0f);
+        if constexpr (std::is_same_v<Dot, DotNvfp4>) {
+          hn::Store(Dot::ChunkScales(Dot::GroupScales(src, c / 4, head_dim), c), WideFloatTag(),
+                    scales);
+        }
         for (std::size_t j = 0; j < 2; ++j) {
           for (std::size_t w = 0; w < 32; ++w) {
             const std::size_t channel = c * kDotChunk + Dot::Channel(j, w);
-            const std::uint32_t got = std::uint32_t(words[j][w]) << 16;
+            const std::uint32_t got =
+                Bits(std::bit_cast<float>(std::uint32_t(words[j][w]) << 16) * scales[w / 2]);
             ASSERT_EQ(got, Bits(want[channel]))
                 << to_string(format) << " D" << head_dim << " channel " << channel << ": "
                 << std::bit_cast<float>(got) << " vs " << want[channel];
           }
         }
+      }
+    }
+  }
+}
+
+// DotNvfp4's block scales for every e4m3 code, against the scalar decoder: 16 rows of D 256
+// whose 16 scale bytes walk the 256 codes.
+void CheckNvfp4DotScales() {
+  constexpr int kHeadDim = 256;
+  std::vector<std::uint8_t> row(row_bytes(Format::nvfp4, kHeadDim));
+  std::mt19937_64 rng(mjolnir::testing::test_seed() + 29);
+  for (auto& byte : row) byte = static_cast<std::uint8_t>(rng());
+  alignas(64) float got[16];
+  for (std::uint32_t first = 0; first < 256; first += 16) {
+    for (std::uint32_t b = 0; b < 16; ++b) row[kHeadDim / 2 + b] = std::uint8_t(first + b);
+    hn::Store(DotNvfp4::GroupScales(row.data(), 0, kHeadDim), WideFloatTag(), got);
+    for (std::uint32_t b = 0; b < 16; ++b) {
+      const float want = decode_minifloat<kE4M3Spec>(first + b);
+      if (std::isnan(want)) {
+        EXPECT_TRUE(std::isnan(got[b])) << "e4m3 code " << first + b;
+      } else {
+        EXPECT_EQ(Bits(got[b]), Bits(want)) << "e4m3 code " << first + b;
       }
     }
   }
@@ -179,11 +212,20 @@ void TestDotDecoders() {
       }
     });
   }
-  EXPECT_EQ(checked, 6);  // bf16, fp8 x 2, fp6 x 2, fp4_e2m1
+  EXPECT_EQ(checked, 7);  // bf16, fp8 x 2, fp6 x 2, fp4_e2m1, nvfp4
 }
+
+void TestNvfp4DotScales() {
+  if (!CpuHasBf16Dot()) {
+    GTEST_SKIP() << "this CPU has no AVX512_BF16 / AVX512_VBMI: the bf16 dot decoders cannot run";
+  }
+  CheckNvfp4DotScales();
+}
+
 #else
 // Targets other than AVX-512 compile no dot decoders (bf16_dot-inl.h).
 void TestDotDecoders() {}
+void TestNvfp4DotScales() {}
 #endif
 
 // Floats to check roundings on: every float of a few binades around the format's edges, a
@@ -350,6 +392,7 @@ using namespace mjolnir::cpu;  // the per-target functions HWY_EXPORT names
 HWY_BEFORE_TEST(CpuKernelTest);
 HWY_EXPORT_AND_TEST_P(CpuKernelTest, TestDecoders);
 HWY_EXPORT_AND_TEST_P(CpuKernelTest, TestDotDecoders);
+HWY_EXPORT_AND_TEST_P(CpuKernelTest, TestNvfp4DotScales);
 HWY_EXPORT_AND_TEST_P(CpuKernelTest, TestRounding);
 HWY_EXPORT_AND_TEST_P(CpuKernelTest, TestExp2);
 HWY_EXPORT_AND_TEST_P(CpuKernelTest, TestRowEncoder);
@@ -416,7 +459,7 @@ TEST(CpuBf16Dot, MatchesEmulator) {
   std::mt19937_64 rng(mjolnir::testing::test_seed() + 23);
   int index = 0;
   for (Format format : {Format::bf16, Format::fp8_e4m3, Format::fp8_e5m2, Format::fp6_e2m3,
-                        Format::fp6_e3m2, Format::fp4_e2m1}) {
+                        Format::fp6_e3m2, Format::fp4_e2m1, Format::nvfp4}) {
     for (int mode = 0; mode < 4; ++mode) {  // bf16, fp8, fp32 with bf16 queries, plain fp32
       const QMode q_mode = mode == 0 ? QMode::bf16 : mode == 1 ? QMode::fp8 : QMode::fp32;
       for (const auto [g, q_len] : {std::pair{1, 1}, std::pair{4, 1}, std::pair{8, 1},

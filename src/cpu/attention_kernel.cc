@@ -695,7 +695,7 @@ bool bf16_dot_enabled() { return bf16_dot_flag().load(std::memory_order_relaxed)
 
 bool bf16_dot_applies(Format format, QMode q_mode, int head_dim) {
   // The formats whose codes are all bf16 values (bf16_dot-inl.h has a decoder for each).
-  const bool bf16_codes = format != Format::fp16 && format != Format::nvfp4;
+  const bool bf16_codes = format != Format::fp16;
   return bf16_codes && (q_mode == QMode::bf16 || q_mode == QMode::fp8) && head_dim % 64 == 0 &&
          bf16_dot_enabled() && cpu_has_bf16_dot();
 }

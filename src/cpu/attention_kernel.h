@@ -60,7 +60,7 @@ void run_work_unit(const DecodeArgs& args, const Plan& plan, const WorkItem* ite
 
 // Q . K on AVX-512 BF16 dot products (cpu/bf16_dot-inl.h), twice the multiply-adds per
 // instruction of fp32 FMAs, in steps where it is exact: Q in bf16 or fp8 mode, P in fp32, K in
-// bf16, fp8, fp6 or fp4_e2m1 (not fp16 or nvfp4), D a multiple of 64, on a CPU with AVX512_BF16
+// bf16, fp8, fp6, fp4_e2m1 or nvfp4 (not fp16), D a multiple of 64, on a CPU with AVX512_BF16
 // and AVX512_VBMI.
 // Q in fp32 mode whose values are all bf16 values (a bf16 model's queries, with per-tensor or
 // per-head K scales) is Q in bf16 mode, and takes them too. Enabled by default;

@@ -1,10 +1,11 @@
 // Q . K with AVX-512 BF16 dot products for the CPU kernel (attention_kernel.cc): vdpbf16ps does
 // 32 multiply-adds of bf16 pairs into 16 fp32 lanes, twice the rate of fp32 FMAs. It applies where
 // both operands are exact in bf16: Q in bf16 or fp8 mode (e4m3 values are bf16 values), and K
-// codes of bf16, fp8, fp6 or fp4 e2m1 (every such value is a bf16 value; nvfp4's products with
-// their block scales would need a multiply per code, so nvfp4 stays on fp32 FMAs). Each product of
-// two bf16 values is exact in fp32 and the sums are fp32, so the scores differ from the emulator's
-// only in the order of their fp32 additions, as the contract allows. (vdpbf16ps treats subnormal
+// codes of bf16, fp8, fp6, fp4 e2m1 or nvfp4 (every such code's value is a bf16 value; nvfp4's
+// block scales multiply the sums of their blocks, see DotNvfp4). Each product of two bf16 values
+// is exact in fp32 and the sums are fp32, so the scores differ from the emulator's only in the
+// order of their fp32 additions (and, for nvfp4, where the block scale multiplies), as the
+// contract allows. (vdpbf16ps treats subnormal
 // inputs and results as zero: the K decoders below produce true values, whose smallest, 2^-16
 // for e5m2, is a normal bf16, and a q or a running sum below 2^-126 changes no score.)
 //
@@ -27,12 +28,14 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "core/minifloat.h"
 #include "cpu/kernel_blocks-inl.h"
 #include "cpu/kv_decode-inl.h"
 #include "cpu/tile_prefetcher.h"
 #include "hwy/highway.h"
+#include "mjolnir/format.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace mjolnir::cpu::HWY_NAMESPACE {
@@ -165,6 +168,50 @@ struct DotE2M1 {
   static constexpr std::size_t Channel(std::size_t j, std::size_t w) { return 2 * w + j; }
 };
 
+// nvfp4: the e2m1 codes as DotE2M1 decodes them, each 16-channel block times its e4m3 scale
+// (one byte per block, after the D / 2 code bytes). The products e2m1 x scale are bf16 values
+// too, but forming them would take a multiply per code; the scales multiply the dot products'
+// sums instead. Lane i of a chunk's two vectors sums channels 4i .. 4i + 3 (Channel: 2w + j),
+// all of block 4 chunk + i / 4, so a (row, key, chunk) takes two dot products into a zeroed sum
+// and one FMA by the chunk's scale vector, against 4 FMAs on the fp32 path, and no decode of the
+// codes to fp32.
+struct DotNvfp4 : DotE2M1 {
+  // The true values of the scales of blocks [16 group, 16 group + 16) of a row of d channels, in
+  // lanes 0..15 (lanes past the row's last block are zero: the masked load reads nothing past
+  // the row).
+  static HWY_INLINE hn::Vec<WideFloatTag> GroupScales(const std::uint8_t* row, std::size_t group,
+                                                      std::size_t d) {
+    const WideFloatTag df;
+    const hn::RebindToUnsigned<WideFloatTag> du;
+    const hn::Rebind<std::uint8_t, WideFloatTag> d8;
+    const std::size_t blocks = d / kNvfp4BlockSize - 16 * group;
+    const auto mask = static_cast<__mmask16>(blocks >= 16 ? 0xFFFFu : (1u << blocks) - 1);
+    const auto b = hn::PromoteTo(
+        du, hn::Vec<decltype(d8)>{_mm_maskz_loadu_epi8(mask, row + d / 2 + 16 * group)});
+    // S.EEEE.MMM with exponent and mantissa at fp32 bit 20 and the sign at bit 31 is 2^-120
+    // times the value, subnormals included (as fp32 subnormals, exact); the FMA by 2^120 (an FMA
+    // takes subnormal operands at full speed) gives the value. S.1111.111 is NaN.
+    const auto magnitude = hn::And(b, hn::Set(du, 0x7Fu));
+    const auto bits =
+        hn::Or(hn::ShiftLeft<20>(magnitude), hn::ShiftLeft<24>(hn::And(b, hn::Set(du, 0x80u))));
+    const auto values =
+        hn::MulAdd(hn::BitCast(df, bits), hn::Set(df, 0x1p120f), hn::Set(df, -0.0f));
+    return hn::IfThenElse(hn::RebindMask(df, hn::Eq(magnitude, hn::Set(du, 0x7Fu))),
+                          hn::Set(df, __builtin_nanf("")), values);
+  }
+  // Lane i: the scale of block 4 (chunk % 4) + i / 4 of GroupScales(row, chunk / 4, d).
+  static HWY_INLINE hn::Vec<WideFloatTag> ChunkScales(hn::Vec<WideFloatTag> group_scales,
+                                                      std::size_t chunk) {
+    const WideFloatTag df;
+    const hn::RebindToSigned<WideFloatTag> di;
+    alignas(64) static constexpr std::int32_t kBlockOfLane[16] = {0, 0, 0, 0, 1, 1, 1, 1,
+                                                                  2, 2, 2, 2, 3, 3, 3, 3};
+    const auto lanes = hn::Add(hn::Load(di, kBlockOfLane),
+                               hn::Set(di, static_cast<std::int32_t>(4 * (chunk % 4))));
+    return hn::TableLookupLanes(group_scales, hn::IndicesFromVec(df, lanes));
+  }
+};
+
 // fp6 (e2m3, e3m2): 64 codes (48 bytes, one masked load that reads nothing past them) per
 // chunk, natural order. For each vector of 32 words, vpermb brings the two bytes that hold a
 // code into its word, a variable shift puts the code at the word's low bits, and vpermi2w looks
@@ -236,6 +283,10 @@ struct DotDecoderOf<DecodeE2M1> {
   using type = DotE2M1;
 };
 template <>
+struct DotDecoderOf<DecodeNvfp4> {
+  using type = DotNvfp4;
+};
+template <>
 struct DotDecoderOf<DecodeE2M3> {
   using type = DotFp6<kE2M3Spec>;
 };
@@ -278,15 +329,46 @@ HWY_INLINE void DotBlock(const std::uint16_t* HWY_RESTRICT q, std::size_t qs, st
   for (auto& row : a) {
     for (auto& acc : row) acc = hn::Zero(df);
   }
-  for (std::size_t c = 0; c < d / kDotChunk; ++c) {
-    Words x0[4], x1[4];
-    for (int i = 0; i < 4; ++i) Dot::Decode(state, k[i], c, x0[i], x1[i]);
-    for (int r = 0; r < kRows; ++r) {
-      const std::uint16_t* qr = q + r * qs + c * kDotChunk;
-      const Words q0 = hn::Load(dw, qr);
-      for (int i = 0; i < 4; ++i) a[r][i] = DotPairs(a[r][i], q0, x0[i]);
-      const Words q1 = hn::Load(dw, qr + 32);
-      for (int i = 0; i < 4; ++i) a[r][i] = DotPairs(a[r][i], q1, x1[i]);
+  if constexpr (std::is_same_v<Dot, DotNvfp4>) {
+    // Key by key, the Q vectors taken from L1 as the dot products' memory operands and each
+    // chunk's scale vectors from a small buffer filled once per 16 blocks: 4 keys' codes, scales
+    // and sums would not fit in the registers beside the 16 accumulators.
+    alignas(64) float chunk_scales[4][4][16];  // [key][chunk of the group][lane]
+    const std::size_t chunks = d / kDotChunk;
+    for (std::size_t c0 = 0; c0 < chunks; c0 += 4) {
+      const std::size_t group_chunks = chunks - c0 < 4 ? chunks - c0 : 4;
+      for (int i = 0; i < 4; ++i) {
+        const auto group_scales = Dot::GroupScales(k[i], c0 / 4, d);
+        for (std::size_t cc = 0; cc < group_chunks; ++cc) {
+          hn::Store(Dot::ChunkScales(group_scales, cc), df, chunk_scales[i][cc]);
+        }
+      }
+      for (std::size_t cc = 0; cc < group_chunks; ++cc) {
+        const std::size_t c = c0 + cc;
+        for (int i = 0; i < 4; ++i) {
+          Words x0, x1;
+          Dot::Decode(state, k[i], c, x0, x1);
+          const auto scales = hn::Load(df, chunk_scales[i][cc]);
+          for (int r = 0; r < kRows; ++r) {
+            const std::uint16_t* qr = q + r * qs + c * kDotChunk;
+            const auto sum =
+                DotPairs(DotPairs(hn::Zero(df), hn::Load(dw, qr), x0), hn::Load(dw, qr + 32), x1);
+            a[r][i] = hn::MulAdd(sum, scales, a[r][i]);
+          }
+        }
+      }
+    }
+  } else {
+    for (std::size_t c = 0; c < d / kDotChunk; ++c) {
+      Words x0[4], x1[4];
+      for (int i = 0; i < 4; ++i) Dot::Decode(state, k[i], c, x0[i], x1[i]);
+      for (int r = 0; r < kRows; ++r) {
+        const std::uint16_t* qr = q + r * qs + c * kDotChunk;
+        const Words q0 = hn::Load(dw, qr);
+        for (int i = 0; i < 4; ++i) a[r][i] = DotPairs(a[r][i], q0, x0[i]);
+        const Words q1 = hn::Load(dw, qr + 32);
+        for (int i = 0; i < 4; ++i) a[r][i] = DotPairs(a[r][i], q1, x1[i]);
+      }
     }
   }
   if constexpr (kRows == 4) {
