@@ -5,9 +5,9 @@
 // block scales multiply the sums of their blocks, see DotNvfp4). Each product of two bf16 values
 // is exact in fp32 and the sums are fp32, so the scores differ from the emulator's only in the
 // order of their fp32 additions (and, for nvfp4, where the block scale multiplies), as the
-// contract allows. (vdpbf16ps treats subnormal
-// inputs and results as zero: the K decoders below produce true values, whose smallest, 2^-16
-// for e5m2, is a normal bf16, and a q or a running sum below 2^-126 changes no score.)
+// contract allows. (vdpbf16ps treats subnormal inputs and results as zero: the K decoders below
+// produce true values, whose smallest, 2^-16 for e5m2, is a normal bf16, and a q or a running sum
+// below 2^-126 changes no score.)
 //
 // Only AVX-512 targets compile it, and it runs only on CPUs with AVX512_BF16 and AVX512_VBMI
 // (the fp8 and fp6 decoders look codes up with vpermi2b / vpermb): Zen 4 and later, Sapphire Rapids
