@@ -19,6 +19,7 @@ import argparse
 import json
 import pathlib
 import re
+import statistics
 import sys
 
 BEGIN = "<!-- bench-tables:begin -->"
@@ -71,12 +72,13 @@ def fma_ceiling(row: dict, machine: dict) -> float | None:
     multiply-adds per KV token, 2 flops each, whatever the format; bytes are the format's. Where
     Q . K ran on bf16 dot products (2 multiply-adds per lane and instruction), its half of them
     counts at twice the peak."""
-    if "fma_peak_gflops" not in machine or "read_bandwidth_gbps" not in machine:
+    limit_gbps = row.get("limit_gbps", machine.get("read_bandwidth_gbps"))
+    if "fma_peak_gflops" not in machine or limit_gbps is None:
         return None
     qk_share = 0.5 if row.get("qk_bf16_dot") else 1.0
     flops = 2.0 * (1.0 + qk_share) * row["hq"] * row["q_len"] * row["d"] * row["context"] * row["batch"]
     seconds = flops / (machine["fma_peak_gflops"] * 1e9)
-    return min(1.0, row["kv_bytes"] / seconds / (machine["read_bandwidth_gbps"] * 1e9))
+    return min(1.0, row["kv_bytes"] / seconds / (limit_gbps * 1e9))
 
 
 def modes(rows: list[dict]) -> str:
@@ -263,6 +265,13 @@ def render_tables(document: dict, source: str, rates: dict | None = None, rates_
             f"{machine['cpu']}, {machine['threads']} threads, {machine.get('simd_target', '')} kernels; "
             f"read bandwidth {machine['read_bandwidth_gbps']:.1f} GB/s"
         )
+        per_row = sorted(r["limit_gbps"] for r in rows if "limit_gbps" in r)
+        if per_row:
+            # Each row divided by the bandwidth measured right after it (cmd_bench.cc).
+            limit += (
+                f" at the start and {statistics.median(per_row):.1f} GB/s (median; "
+                f"{per_row[0]:.1f} to {per_row[-1]:.1f}) right after each row, which each row is divided by"
+            )
         if "fma_peak_gflops" in machine:
             limit += f", fp32 FMA peak {machine['fma_peak_gflops']:.0f} GFLOP/s"
     parts = [

@@ -157,6 +157,10 @@ struct Row {
   verify::ProblemSpec spec;  // the whole step: format, layout, heads, modes, seq_lens
   Measurement measurement;
   double gbps = 0;
+  // The limit this row is divided by: on the CPU the read bandwidth measured right after the
+  // row's timing (on a shared host it moves by 2x within minutes, and with it the step's own
+  // rate), on the GPU the card's copy bandwidth measured at the start.
+  double limit_gbps = 0;
   double bandwidth_fraction = 0;
   double floor_us = 0;  // the KV bytes at the measured limit: no step can be faster
   double rel_error_vs_exact = 0;
@@ -200,11 +204,16 @@ void check_configurations(const verify::ProblemSpec& base, const std::vector<For
 }
 
 // The physical limit the results are set against, measured at the start of the run: the CPU's
-// read bandwidth for host backends, the card's copy bandwidth for cuda.
+// read bandwidth for host backends (measured again after every row, see Row::limit_gbps), the
+// card's copy bandwidth for cuda.
 struct Limit {
   double gbps = 0;
   std::string what;                // for the header line
   nlohmann::ordered_json machine;  // the JSON "machine" object
+  int threads = 0;                 // CPU: the read-bandwidth probe's threads and buffer
+  std::size_t probe_bytes = 0;
+
+  bool per_row() const { return probe_bytes != 0; }
 };
 
 Limit measure_limit(bool on_gpu, int threads) {
@@ -225,6 +234,8 @@ Limit measure_limit(bool on_gpu, int threads) {
   std::fprintf(stderr, "bench: measuring read bandwidth (%d threads, %s buffer)\n", threads,
                format_bytes(bytes).c_str());
   limit.gbps = cpu::measure_read_bandwidth_gbps(threads, bytes);
+  limit.threads = threads;
+  limit.probe_bytes = bytes;
   // Not the limit the rows are divided by, but the one that binds when decoding is compute
   // bound (few bytes per element, many query rows): docs/cpu-performance.md shows both.
   const double fma_gflops = cpu::measure_fma_peak_gflops(threads);
@@ -273,23 +284,26 @@ std::optional<Row> measure(const Backend& host_backend, bool on_gpu,
                                                   working_set, copies_memory_limit());
   row.gbps = static_cast<double>(row.measurement.kv_bytes) /
              (row.measurement.timing.median_us * 1e-6) / 1e9;
-  row.bandwidth_fraction = row.gbps / limit.gbps;
-  row.floor_us = static_cast<double>(row.measurement.kv_bytes) / (limit.gbps * 1e9) * 1e6;
+  row.limit_gbps = limit.per_row()
+                       ? cpu::measure_read_bandwidth_gbps(limit.threads, limit.probe_bytes)
+                       : limit.gbps;
+  row.bandwidth_fraction = row.gbps / row.limit_gbps;
+  row.floor_us = static_cast<double>(row.measurement.kv_bytes) / (row.limit_gbps * 1e9) * 1e6;
   row.rel_error_vs_exact = error_vs_exact(host_backend, spec, plan_options);
   return row;
 }
 
 void print_table_header() {
-  std::printf("%-9s %6s %8s %6s %12s %10s %8s %7s %10s\n", "format", "batch", "context", "q_len",
-              "median_us", "KV_MiB", "GB/s", "of_bw", "err_exact");
+  std::printf("%-9s %6s %8s %6s %12s %10s %8s %8s %7s %10s\n", "format", "batch", "context",
+              "q_len", "median_us", "KV_MiB", "GB/s", "limit", "of_bw", "err_exact");
   std::fflush(stdout);
 }
 
 void print_row(const Row& row) {
-  std::printf("%-9s %6d %8d %6d %12.1f %10.1f %8.2f %6.0f%% %10.2e\n",
+  std::printf("%-9s %6d %8d %6d %12.1f %10.1f %8.2f %8.2f %6.0f%% %10.2e\n",
               std::string(to_string(row.spec.format)).c_str(), row.batch(), row.context(),
               row.spec.params.q_len, row.measurement.timing.median_us,
-              static_cast<double>(row.measurement.kv_bytes) / kMiB, row.gbps,
+              static_cast<double>(row.measurement.kv_bytes) / kMiB, row.gbps, row.limit_gbps,
               100 * row.bandwidth_fraction, row.rel_error_vs_exact);
   std::fflush(stdout);
 }
@@ -319,6 +333,7 @@ nlohmann::ordered_json to_json(const Row& row) {
       {"copies", row.measurement.copies},
       {"floor_us", row.floor_us},
       {"gbps", row.gbps},
+      {"limit_gbps", row.limit_gbps},
       {"bandwidth_fraction", row.bandwidth_fraction},
       {"rel_error_vs_exact", row.rel_error_vs_exact},
   };
