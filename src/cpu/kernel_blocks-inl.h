@@ -449,6 +449,30 @@ HWY_INLINE void ValueBlock4x2(const float* HWY_RESTRICT p, std::size_t p_stride,
   hn::Store(a30, df, a3p), hn::Store(a31, df, a3p + n);
 }
 
+// The accumulators of a value block: rows r, vectors v0 .. v0 + kVectors - 1 of acc (rows `as`
+// floats apart), times alpha[r] unless alpha is null; and back.
+template <int kRows, int kVectors, class DF>
+HWY_INLINE void LoadAccumulators(DF df, const float* HWY_RESTRICT acc, std::size_t as,
+                                 std::size_t v0, const float* alpha,
+                                 hn::Vec<DF> (&a)[kRows][kVectors]) {
+  const std::size_t n = hn::Lanes(df);
+  for (int r = 0; r < kRows; ++r) {
+    const auto s = hn::Set(df, alpha != nullptr ? alpha[r] : 1.0f);
+    for (int i = 0; i < kVectors; ++i) {
+      a[r][i] = hn::Load(df, acc + r * as + (v0 + i) * n);
+      if (alpha != nullptr) a[r][i] = hn::Mul(a[r][i], s);
+    }
+  }
+}
+template <int kRows, int kVectors, class DF>
+HWY_INLINE void StoreAccumulators(DF df, const hn::Vec<DF> (&a)[kRows][kVectors],
+                                  float* HWY_RESTRICT acc, std::size_t as, std::size_t v0) {
+  const std::size_t n = hn::Lanes(df);
+  for (int r = 0; r < kRows; ++r) {
+    for (int i = 0; i < kVectors; ++i) hn::Store(a[r][i], df, acc + r * as + (v0 + i) * n);
+  }
+}
+
 // As ValueBlock4x2 for the 4 vectors v0 .. v0 + 3 (v0 a multiple of 4), on targets with 32
 // registers: 16 FMA chains, each probability broadcast serving 4 FMAs.
 template <class Dec>
@@ -458,15 +482,8 @@ HWY_INLINE void ValueBlock4x4(const float* HWY_RESTRICT p, std::size_t p_stride,
                               const float* alpha, std::size_t v0) {
   using DF = typename Dec::Tag;
   const DF df;
-  const std::size_t n = hn::Lanes(df);
   hn::Vec<DF> a[4][4];
-  for (int r = 0; r < 4; ++r) {
-    const auto s = hn::Set(df, alpha != nullptr ? alpha[r] : 1.0f);
-    for (int i = 0; i < 4; ++i) {
-      a[r][i] = hn::Load(df, acc + r * as + (v0 + i) * n);
-      if (alpha != nullptr) a[r][i] = hn::Mul(a[r][i], s);
-    }
-  }
+  LoadAccumulators(df, acc, as, v0, alpha, a);
   for (int t = 0; t < count; ++t) {
     const std::uint8_t* row = bases[t] + offset;
     hn::Vec<DF> x[4];
@@ -479,9 +496,7 @@ HWY_INLINE void ValueBlock4x4(const float* HWY_RESTRICT p, std::size_t p_stride,
       for (int i = 0; i < 4; ++i) a[r][i] = hn::MulAdd(pr, x[i], a[r][i]);
     }
   }
-  for (int r = 0; r < 4; ++r) {
-    for (int i = 0; i < 4; ++i) hn::Store(a[r][i], df, acc + r * as + (v0 + i) * n);
-  }
+  StoreAccumulators(df, a, acc, as, v0);
 }
 
 // As ValueBlock4x2 for 8 rows, on targets with 32 registers: 16 FMA chains, each V vector
@@ -495,15 +510,8 @@ HWY_INLINE void ValueBlock8x2(const float* HWY_RESTRICT p, std::size_t p_stride,
                               const float* alpha, std::size_t v, std::size_t c) {
   using DF = typename Dec::Tag;
   const DF df;
-  const std::size_t n = hn::Lanes(df);
   hn::Vec<DF> a[8][2];
-  for (int r = 0; r < 8; ++r) {
-    const auto s = hn::Set(df, alpha != nullptr ? alpha[r] : 1.0f);
-    for (int i = 0; i < 2; ++i) {
-      a[r][i] = hn::Load(df, acc + r * as + (v + i) * n);
-      if (alpha != nullptr) a[r][i] = hn::Mul(a[r][i], s);
-    }
-  }
+  LoadAccumulators(df, acc, as, v, alpha, a);
   for (int t = 0; t < count; ++t) {
     hn::Vec<DF> x0, x1;
     ValuePair<Dec, kJ>(df, bases[t] + offset, c, d, x0, x1);
@@ -515,9 +523,7 @@ HWY_INLINE void ValueBlock8x2(const float* HWY_RESTRICT p, std::size_t p_stride,
       a[r][1] = hn::MulAdd(pr, x1, a[r][1]);
     }
   }
-  for (int r = 0; r < 8; ++r) {
-    for (int i = 0; i < 2; ++i) hn::Store(a[r][i], df, acc + r * as + (v + i) * n);
-  }
+  StoreAccumulators(df, a, acc, as, v);
 }
 
 // One row's share (rows left over from blocks of 4).
