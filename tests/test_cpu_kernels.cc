@@ -12,6 +12,7 @@
 #include "cpu/exp2-inl.h"
 #include "cpu/kv_decode-inl.h"
 #include "cpu/minifloat_simd-inl.h"
+#include "cpu/word_decoders-inl.h"
 #include "hwy/highway.h"
 #include "hwy/tests/hwy_gtest.h"
 
@@ -20,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <random>
 #include <type_traits>
 #include <vector>
@@ -79,10 +81,12 @@ std::vector<std::vector<std::byte>> TestRows(Format format, int head_dim, std::m
   return rows;
 }
 
+// Every decoded channel against decode_row, bit for bit. no_subnormals: the decoder must also
+// never produce an fp32 subnormal (the kernel decoders of AVX3_DL, word_decoders-inl.h).
 template <class Decoder>
-void CheckDecoder(Format format) {
+void CheckDecoder(Format format, std::initializer_list<int> head_dims, bool no_subnormals) {
   std::mt19937_64 rng(mjolnir::testing::test_seed() ^ static_cast<std::uint64_t>(format));
-  for (int head_dim : {32, 64, 96, 128, 160, 256}) {
+  for (int head_dim : head_dims) {
     std::vector<std::int32_t> channel_of(head_dim);
     ChannelOrder<Decoder>(head_dim, channel_of.data());
     std::vector<bool> seen(head_dim, false);
@@ -108,6 +112,11 @@ void CheckDecoder(Format format) {
           const float w = want[channel_of[i]];
           ASSERT_EQ(Bits(got), Bits(w)) << to_string(format) << " D" << head_dim << " channel "
                                         << channel_of[i] << ": " << got << " vs " << w;
+          if (no_subnormals) {
+            ASSERT_NE(std::fpclassify(raw[i]), FP_SUBNORMAL)
+                << to_string(format) << " D" << head_dim << " channel " << channel_of[i] << ": "
+                << raw[i] << " decodes to an fp32 subnormal";
+          }
         }
       }
     }
@@ -116,7 +125,15 @@ void CheckDecoder(Format format) {
 
 void TestDecoders() {
   for (Format format : kAllFormats) {
-    VisitDecoder(format, [&]<class Decoder>() { CheckDecoder<Decoder>(format); });
+    VisitDecoder(format, [&]<class Decoder>() {
+      CheckDecoder<Decoder>(format, {32, 64, 96, 128, 160, 256}, false);
+    });
+    // The kernel's own choice where rows have whole 64-channel chunks: on AVX3_DL the decoders
+    // through bf16 words for the low-bit formats, which must never make an fp32 subnormal.
+    VisitKernelDecoder(format, 64, [&]<class Decoder>() {
+      CheckDecoder<Decoder>(format, {64, 128, 192, 256},
+                            MJOLNIR_BF16_WORDS && format != Format::bf16 && format != Format::fp16);
+    });
   }
 }
 
@@ -204,7 +221,7 @@ void TestDotDecoders() {
   }
   int checked = 0;
   for (Format format : kAllFormats) {
-    VisitDecoder(format, [&]<class Decoder>() {
+    VisitKernelDecoder(format, 128, [&]<class Decoder>() {
       using Dot = typename DotDecoderOf<Decoder>::type;
       if constexpr (!std::is_void_v<Dot>) {
         CheckDotDecoder<Dot>(format);
@@ -223,7 +240,7 @@ void TestNvfp4DotScales() {
 }
 
 #else
-// Targets other than AVX-512 compile no dot decoders (bf16_dot-inl.h).
+// Targets other than AVX3_DL compile no dot decoders (bf16_dot-inl.h).
 void TestDotDecoders() {}
 void TestNvfp4DotScales() {}
 #endif

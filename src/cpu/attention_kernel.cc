@@ -33,6 +33,7 @@
 #include "cpu/kv_decode-inl.h"
 #include "cpu/minifloat_simd-inl.h"
 #include "cpu/online_softmax-inl.h"
+#include "cpu/word_decoders-inl.h"
 #include "hwy/highway.h"
 
 #include <algorithm>
@@ -625,8 +626,9 @@ void RunUnit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, in
 
 void RunWorkUnit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, int heads,
                  KernelScratch& scratch, const ItemOutput* outs) {
-  VisitDecoder(args.cache.geometry.format,
-               [&]<class Decoder>() { RunUnit<Decoder>(args, plan, items, heads, scratch, outs); });
+  VisitKernelDecoder(
+      args.cache.geometry.format, std::size_t(args.cache.geometry.head_dim),
+      [&]<class Decoder>() { RunUnit<Decoder>(args, plan, items, heads, scratch, outs); });
 }
 
 #endif  // MJOLNIR_PORTABLE_TARGET

@@ -154,9 +154,15 @@ template <class VR, class V>
 HWY_INLINE void StepBarrier(VR& w0, VR& w1, V& a00, V& a01, V& a10, V& a11, V& a20, V& a21, V& a30,
                             V& a31) {
 #if HWY_ARCH_X86
-  asm volatile(""
-               : "+x"(w0.raw), "+x"(w1.raw), "+x"(a00.raw), "+x"(a01.raw), "+x"(a10.raw),
-                 "+x"(a11.raw), "+x"(a20.raw), "+x"(a21.raw), "+x"(a30.raw), "+x"(a31.raw));
+  if constexpr (requires { w0.raw; }) {
+    asm volatile(""
+                 : "+x"(w0.raw), "+x"(w1.raw), "+x"(a00.raw), "+x"(a01.raw), "+x"(a10.raw),
+                   "+x"(a11.raw), "+x"(a20.raw), "+x"(a21.raw), "+x"(a30.raw), "+x"(a31.raw));
+  } else {  // decoded in Load already (word_decoders-inl.h): only the FMAs to order
+    asm volatile(""
+                 : "+x"(a00.raw), "+x"(a01.raw), "+x"(a10.raw), "+x"(a11.raw), "+x"(a20.raw),
+                   "+x"(a21.raw), "+x"(a30.raw), "+x"(a31.raw));
+  }
 #else
   (void)w0, (void)w1, (void)a00, (void)a01, (void)a10, (void)a11, (void)a20, (void)a21, (void)a30,
       (void)a31;

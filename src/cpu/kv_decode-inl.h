@@ -16,6 +16,9 @@
 //     straight into fp32 bit fields (sign, exponent, mantissa) without re-biasing the exponent;
 //     the bias difference is the power of two, which the kernel folds into Q and the score
 //     scale (for K) or into P and the output scale (for V).
+// Subnormal fp32 values cost nothing on AMD and Arm cores but a microcode assist per FMA on
+// Intel's, so on AVX3_DL the kernels take word_decoders-inl.h's table decoders for the low-bit
+// formats instead (VisitKernelDecoder), which make true values.
 // Codes that never reach a cache written by write_kv (Inf/NaN codes of e4m3 and e5m2) decode to
 // finite values here; every finite code decodes exactly (tests/test_cpu_kernels.cc checks every
 // code against decode_row).

@@ -1,6 +1,7 @@
 // Read bandwidth of this machine: the roofline `mjolnir bench` reports each kernel against.
 // Compiled once per Highway target (foreach_target.h) and dispatched at run time, like every
 // src/cpu kernel, so it reads with the same vector width the decode kernels do.
+#include "cpu/simd_targets.h"
 
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "cpu/read_bandwidth.cc"

@@ -1,0 +1,347 @@
+// Decoders of packed KV rows into bf16 words holding each code's true value, for AVX3_DL
+// (AVX-512 with VBMI): byte and word permutes look codes up in small tables, 4 to 7 ops per 64
+// channels. Two users:
+//   - Q . K on bf16 dot products (bf16_dot-inl.h) takes the words as they are.
+//   - The fp32 FMA paths (P . V always, Q . K off the dot products) widen each word vector into
+//     two fp32 vectors with one op each (DecodeViaWords below), in place of kv_decode-inl.h's bit
+//     placements. Those place codes straight into fp32 bit fields, so a format's subnormal codes
+//     (and e2m1's 0.5, e4m3's and e5m2's smallest) become fp32 subnormals; Intel cores take a
+//     microcode assist for every FMA with a subnormal operand (fp4 steps ran 45x slower on a
+//     Xeon with AVX-512, 1.2 us per token-head against 27 ns with the MXCSR's DAZ bit set), where
+//     AMD's take them at full speed. True values are never fp32 subnormals: the smallest is
+//     e5m2's 2^-16. The widened decode is also shorter than the bit placement (fp8: 9 ops per 4
+//     vectors against 12).
+// Per-target header, see kv_decode-inl.h.
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+#if defined(MJOLNIR_CPU_WORD_DECODERS_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef MJOLNIR_CPU_WORD_DECODERS_INL_H_
+#undef MJOLNIR_CPU_WORD_DECODERS_INL_H_
+#else
+#define MJOLNIR_CPU_WORD_DECODERS_INL_H_
+#endif
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+
+#include "core/minifloat.h"
+#include "cpu/codec_tables.h"
+#include "cpu/kv_decode-inl.h"
+#include "hwy/highway.h"
+#include "mjolnir/format.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace mjolnir::cpu::HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+#undef MJOLNIR_BF16_WORDS
+#if HWY_TARGET == HWY_AVX3_DL
+#define MJOLNIR_BF16_WORDS 1
+
+using WordTag = hn::Repartition<std::uint16_t, WideFloatTag>;  // 32 bf16 words
+using Words = hn::Vec<WordTag>;
+
+inline constexpr std::size_t kDotChunk = 64;  // channels per chunk of every word decoder
+
+// --- decoders into bf16 words -----------------------------------------------------------------
+// Each works in chunks of 64 channels, two vectors of 32 words; Channel(j, w) is the channel
+// (within the chunk) of word w of vector j. For the dot products Q is laid out in the same order
+// once per item.
+
+// bf16 rows are bf16 words already: natural order, nothing to decode.
+struct DotBf16 {
+  struct State {};
+  static HWY_INLINE State MakeState() { return {}; }
+  static HWY_INLINE void Decode(const State&, const std::uint8_t* row, std::size_t chunk, Words& x0,
+                                Words& x1) {
+    const WordTag dw;
+    x0 = LoadBytesAs(dw, row + chunk * 128);
+    x1 = LoadBytesAs(dw, row + chunk * 128 + 64);
+  }
+  static constexpr std::size_t Channel(std::size_t j, std::size_t w) { return 32 * j + w; }
+};
+
+// High and low bytes of the bf16 value of every magnitude code (sign bit clear) of an 8-bit
+// format; codes past the largest finite one (NaN, Inf) never reach a cache, and take the largest.
+template <MinifloatSpec kSpec>
+struct Fp8Bf16Table {
+  alignas(64) std::array<std::uint8_t, 128> high{}, low{};
+  constexpr Fp8Bf16Table() {
+    for (std::uint32_t code = 0; code < 128; ++code) {
+      const std::uint32_t finite = code <= kSpec.max_finite_code() ? code : kSpec.max_finite_code();
+      const std::uint32_t bits = minifloat_detail::bits_from_float(decode_minifloat<kSpec>(finite));
+      if ((bits & 0xFFFFu) != 0) throw "an fp8 value that is not a bf16 value";
+      high[code] = static_cast<std::uint8_t>(bits >> 24);
+      low[code] = static_cast<std::uint8_t>(bits >> 16);
+    }
+  }
+};
+
+// fp8 (e4m3, e5m2): 64 codes per chunk. Two vpermi2b look up the high and low bytes of each
+// code's magnitude (they index with the low 7 bits, so the sign bit is ignored), a ternary-logic
+// op puts the sign back into the high byte, and two byte unpacks pair the bytes into words:
+// 5 ops per 64 channels, against 12 for the fp32 decoder (kv_decode-inl.h). The unpacks work
+// within 128-bit blocks: word w of vector j is channel 16 (w / 8) + 8 j + w % 8.
+template <MinifloatSpec kSpec>
+struct DotFp8 {
+  struct State {
+    hn::Vec<hn::Repartition<std::uint8_t, WideFloatTag>> high0, high1, low0, low1, sign;
+  };
+  static HWY_INLINE State MakeState() {
+    static constexpr Fp8Bf16Table<kSpec> kTable;
+    const hn::Repartition<std::uint8_t, WideFloatTag> d8;
+    return {hn::Load(d8, kTable.high.data()), hn::Load(d8, kTable.high.data() + 64),
+            hn::Load(d8, kTable.low.data()), hn::Load(d8, kTable.low.data() + 64),
+            hn::Set(d8, 0x80)};
+  }
+  static HWY_INLINE void Decode(const State& s, const std::uint8_t* row, std::size_t chunk,
+                                Words& x0, Words& x1) {
+    const hn::Repartition<std::uint8_t, WideFloatTag> d8;
+    const WordTag dw;
+    const __m512i codes = hn::LoadU(d8, row + chunk * 64).raw;
+    const __m512i high = _mm512_permutex2var_epi8(s.high0.raw, codes, s.high1.raw);
+    const __m512i low = _mm512_permutex2var_epi8(s.low0.raw, codes, s.low1.raw);
+    // high | (codes & 0x80): truth table 0xF8 over (high, codes, sign mask).
+    const __m512i signed_high = _mm512_ternarylogic_epi32(high, codes, s.sign.raw, 0xF8);
+    x0 = hn::BitCast(dw, hn::Vec<decltype(d8)>{_mm512_unpacklo_epi8(low, signed_high)});
+    x1 = hn::BitCast(dw, hn::Vec<decltype(d8)>{_mm512_unpackhi_epi8(low, signed_high)});
+  }
+  static constexpr std::size_t Channel(std::size_t j, std::size_t w) {
+    return 16 * (w / 8) + 8 * j + w % 8;
+  }
+};
+
+// bf16 bits of every code of a format of up to 6 bits (sign included), `count` entries: code
+// i % 2^bits, so a lookup may ignore the index bits above the code's.
+template <MinifloatSpec kSpec, std::size_t kCount>
+struct SmallBf16Table {
+  alignas(64) std::array<std::uint16_t, kCount> words{};
+  constexpr SmallBf16Table() {
+    for (std::uint32_t i = 0; i < kCount; ++i) {
+      const std::uint32_t code = i % (1u << kSpec.total_bits());
+      const std::uint32_t bits = minifloat_detail::bits_from_float(decode_minifloat<kSpec>(code));
+      if ((bits & 0xFFFFu) != 0) throw "a code whose value is not a bf16 value";
+      words[i] = static_cast<std::uint16_t>(bits >> 16);
+    }
+  }
+};
+
+// fp4 e2m1: 64 codes (32 bytes) per chunk. The bytes are widened to words, and one vpermw looks
+// each word's low nibble up in a 32-entry table (which repeats its 16 codes, so the bit above the
+// nibble does not matter); the high nibbles, shifted down, take a second lookup. 4 ops per 64
+// channels. Vector 0 holds the even channels, vector 1 the odd ones.
+struct DotE2M1 {
+  struct State {
+    Words table;
+  };
+  static HWY_INLINE State MakeState() {
+    static constexpr SmallBf16Table<kE2M1Spec, 32> kTable;
+    return {hn::Load(WordTag(), kTable.words.data())};
+  }
+  static HWY_INLINE void Decode(const State& s, const std::uint8_t* row, std::size_t chunk,
+                                Words& x0, Words& x1) {
+    const hn::Repartition<std::uint8_t, hn::Half<WideFloatTag>> d8;  // 32 bytes
+    const __m512i words = _mm512_cvtepu8_epi16(hn::LoadU(d8, row + chunk * 32).raw);
+    x0.raw = _mm512_permutexvar_epi16(words, s.table.raw);
+    x1.raw = _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), s.table.raw);
+  }
+  static constexpr std::size_t Channel(std::size_t j, std::size_t w) { return 2 * w + j; }
+};
+
+// nvfp4: the e2m1 codes as DotE2M1 decodes them, each 16-channel block times its e4m3 scale
+// (one byte per block, after the D / 2 code bytes). The products e2m1 x scale are bf16 values
+// too, but forming them would take a multiply per code; the scales multiply the dot products'
+// sums instead. Lane i of a chunk's two vectors sums channels 4i .. 4i + 3 (Channel: 2w + j),
+// all of block 4 chunk + i / 4, so a (row, key, chunk) takes two dot products into a zeroed sum
+// and one FMA by the chunk's scale vector, against 4 FMAs on the fp32 path, and no decode of the
+// codes to fp32.
+struct DotNvfp4 : DotE2M1 {
+  // The true values of the scales of blocks [16 group, 16 group + 16) of a row of d channels, in
+  // lanes 0..15 (lanes past the row's last block are zero: the masked load reads nothing past
+  // the row).
+  static HWY_INLINE hn::Vec<WideFloatTag> GroupScales(const std::uint8_t* row, std::size_t group,
+                                                      std::size_t d) {
+    const WideFloatTag df;
+    const hn::RebindToUnsigned<WideFloatTag> du;
+    const hn::Rebind<std::uint8_t, WideFloatTag> d8;
+    const std::size_t blocks = d / kNvfp4BlockSize - 16 * group;
+    const auto mask = static_cast<__mmask16>(blocks >= 16 ? 0xFFFFu : (1u << blocks) - 1);
+    const auto b = hn::PromoteTo(
+        du, hn::Vec<decltype(d8)>{_mm_maskz_loadu_epi8(mask, row + d / 2 + 16 * group)});
+    // S.EEEE.MMM with exponent and mantissa at fp32 bit 20 and the sign at bit 31 is 2^-120
+    // times the value, subnormals included (as fp32 subnormals, exact); the FMA by 2^120 (an FMA
+    // takes subnormal operands at full speed) gives the value. S.1111.111 is NaN.
+    const auto magnitude = hn::And(b, hn::Set(du, 0x7Fu));
+    const auto bits =
+        hn::Or(hn::ShiftLeft<20>(magnitude), hn::ShiftLeft<24>(hn::And(b, hn::Set(du, 0x80u))));
+    const auto values =
+        hn::MulAdd(hn::BitCast(df, bits), hn::Set(df, 0x1p120f), hn::Set(df, -0.0f));
+    return hn::IfThenElse(hn::RebindMask(df, hn::Eq(magnitude, hn::Set(du, 0x7Fu))),
+                          hn::Set(df, __builtin_nanf("")), values);
+  }
+  // Lane i: the scale of block 4 (chunk % 4) + i / 4 of GroupScales(row, chunk / 4, d).
+  static HWY_INLINE hn::Vec<WideFloatTag> ChunkScales(hn::Vec<WideFloatTag> group_scales,
+                                                      std::size_t chunk) {
+    const WideFloatTag df;
+    const hn::RebindToSigned<WideFloatTag> di;
+    alignas(64) static constexpr std::int32_t kBlockOfLane[16] = {0, 0, 0, 0, 1, 1, 1, 1,
+                                                                  2, 2, 2, 2, 3, 3, 3, 3};
+    const auto lanes = hn::Add(hn::Load(di, kBlockOfLane),
+                               hn::Set(di, static_cast<std::int32_t>(4 * (chunk % 4))));
+    return hn::TableLookupLanes(group_scales, hn::IndicesFromVec(df, lanes));
+  }
+};
+
+// fp6 (e2m3, e3m2): 64 codes (48 bytes, one masked load that reads nothing past them) per
+// chunk, natural order. For each vector of 32 words, vpermb brings the two bytes that hold a
+// code into its word, a variable shift puts the code at the word's low bits, and vpermi2w looks
+// the 6-bit code up in a 64-entry table (it ignores the bits above). 7 ops per 64 channels.
+template <MinifloatSpec kSpec>
+struct DotFp6 {
+  struct State {
+    Words table0, table1;
+    hn::Vec<hn::Repartition<std::uint8_t, WideFloatTag>> pairs0, pairs1;  // vpermb indices
+    Words shifts0, shifts1;
+  };
+  // Byte pairs and shifts of channels 32 j + w, w < 32: the code starts at bit 6 c.
+  struct Layout {
+    alignas(64) std::array<std::uint8_t, 64> pairs[2]{};
+    alignas(64) std::array<std::uint16_t, 32> shifts[2]{};
+    constexpr Layout() {
+      for (std::size_t j = 0; j < 2; ++j) {
+        for (std::size_t w = 0; w < 32; ++w) {
+          const std::size_t bit = 6 * (32 * j + w);
+          pairs[j][2 * w] = static_cast<std::uint8_t>(bit / 8);
+          pairs[j][2 * w + 1] = static_cast<std::uint8_t>(bit / 8 + 1);  // 48 at most: zeroed
+          shifts[j][w] = static_cast<std::uint16_t>(bit % 8);
+        }
+      }
+    }
+  };
+  static HWY_INLINE State MakeState() {
+    static constexpr SmallBf16Table<kSpec, 64> kTable;
+    static constexpr Layout kLayout;
+    const WordTag dw;
+    const hn::Repartition<std::uint8_t, WideFloatTag> d8;
+    return {hn::Load(dw, kTable.words.data()),      hn::Load(dw, kTable.words.data() + 32),
+            hn::Load(d8, kLayout.pairs[0].data()),  hn::Load(d8, kLayout.pairs[1].data()),
+            hn::Load(dw, kLayout.shifts[0].data()), hn::Load(dw, kLayout.shifts[1].data())};
+  }
+  static HWY_INLINE void Decode(const State& s, const std::uint8_t* row, std::size_t chunk,
+                                Words& x0, Words& x1) {
+    const __m512i bytes = _mm512_maskz_loadu_epi8((__mmask64{1} << 48) - 1, row + chunk * 48);
+    // (The maskz form of vpermb with every lane kept: GCC 12 warns on the unmasked one.)
+    const __m512i codes0 = _mm512_srlv_epi16(
+        _mm512_maskz_permutexvar_epi8(~__mmask64{0}, s.pairs0.raw, bytes), s.shifts0.raw);
+    const __m512i codes1 = _mm512_srlv_epi16(
+        _mm512_maskz_permutexvar_epi8(~__mmask64{0}, s.pairs1.raw, bytes), s.shifts1.raw);
+    x0.raw = _mm512_permutex2var_epi16(s.table0.raw, codes0, s.table1.raw);
+    x1.raw = _mm512_permutex2var_epi16(s.table0.raw, codes1, s.table1.raw);
+  }
+  static constexpr std::size_t Channel(std::size_t j, std::size_t w) { return 32 * j + w; }
+};
+
+// --- fp32 decoders through the words -------------------------------------------------------
+
+// The kv_decode-inl.h decoder interface over a word decoder: a chunk of 64 channels is its two
+// word vectors, each widened into two fp32 vectors, the even words (shifted up) and the odd ones
+// (masked), as DecodeBf16 does. True values: kRawExp 0.
+template <class W>
+struct DecodeViaWords {
+  static constexpr int kRawExp = 0;
+  static constexpr std::size_t kVectors = 4;
+  using Tag = WideFloatTag;
+  using WordDecoder = W;
+  struct Pair {
+    Words x0, x1;
+  };
+
+  // Channel (within its chunk) of lane `lane` of fp32 vector j.
+  static constexpr std::size_t Channel(std::size_t j, std::size_t lane, std::size_t /* n */) {
+    return W::Channel(j / 2, 2 * lane + j % 2);
+  }
+  template <class DF>
+  static HWY_INLINE Pair Load(DF, const std::uint8_t* row, std::size_t chunk, std::size_t) {
+    Pair p;
+    W::Decode(W::MakeState(), row, chunk, p.x0, p.x1);
+    return p;
+  }
+  template <class DF>
+  static HWY_INLINE hn::Vec<DF> Aux(DF df, const std::uint8_t*, std::size_t, std::size_t) {
+    return hn::Zero(df);
+  }
+  template <std::size_t kJ, class DF>
+  static HWY_INLINE hn::Vec<DF> Get(DF df, const Pair& p, hn::Vec<DF>) {
+    const hn::RebindToUnsigned<DF> du;
+    const auto words = hn::BitCast(du, kJ < 2 ? p.x0 : p.x1);
+    if constexpr (kJ % 2 == 0) return hn::BitCast(df, hn::ShiftLeft<16>(words));
+    return hn::BitCast(df, hn::And(words, hn::Set(du, 0xFFFF0000u)));
+  }
+};
+
+// nvfp4: the e2m1 values times their block's e4m3 scale. Lane l of every vector of chunk c holds
+// a channel 64 c + 4 l + (0..3) (DotE2M1's order), all of block 4 c + l / 4, so one scale vector
+// serves the chunk's four: the four scales' true values (a table lookup each, NaN included) spread
+// with one permute. The products (2 x 4 significant bits) are exact, and normal.
+struct DecodeNvfp4ViaWords : DecodeViaWords<DotE2M1> {
+  template <class DF>
+  static HWY_INLINE hn::Vec<DF> Aux(DF df, const std::uint8_t* row, std::size_t chunk,
+                                    std::size_t head_dim) {
+    static constexpr auto kScales = e4m3_value_table<0>();
+    const std::uint8_t* codes = row + head_dim / 2 + 4 * chunk;
+    const __m128 four =
+        _mm_setr_ps(kScales[codes[0]], kScales[codes[1]], kScales[codes[2]], kScales[codes[3]]);
+    const __m512i block_of_lane = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    return hn::Vec<DF>{_mm512_permutexvar_ps(block_of_lane, _mm512_castps128_ps512(four))};
+  }
+  template <std::size_t kJ, class DF>
+  static HWY_INLINE hn::Vec<DF> Get(DF df, const Pair& p, hn::Vec<DF> scale) {
+    return hn::Mul(DecodeViaWords<DotE2M1>::Get<kJ>(df, p, scale), scale);
+  }
+};
+
+// VisitDecoder's choice for the fast kernels: the decoders through words for the low-bit
+// formats where rows have whole 64-channel chunks (head_dim % 64 == 0), else VisitDecoder's.
+template <class Visitor>
+HWY_INLINE decltype(auto) VisitKernelDecoder(Format format, std::size_t head_dim, Visitor&& visit) {
+  if (head_dim % kDotChunk == 0) {
+    switch (format) {
+      case Format::fp8_e4m3:
+        return visit.template operator()<DecodeViaWords<DotFp8<kE4M3Spec>>>();
+      case Format::fp8_e5m2:
+        return visit.template operator()<DecodeViaWords<DotFp8<kE5M2Spec>>>();
+      case Format::fp6_e2m3:
+        return visit.template operator()<DecodeViaWords<DotFp6<kE2M3Spec>>>();
+      case Format::fp6_e3m2:
+        return visit.template operator()<DecodeViaWords<DotFp6<kE3M2Spec>>>();
+      case Format::fp4_e2m1:
+        return visit.template operator()<DecodeViaWords<DotE2M1>>();
+      case Format::nvfp4:
+        return visit.template operator()<DecodeNvfp4ViaWords>();
+      case Format::bf16:
+      case Format::fp16:
+        break;
+    }
+  }
+  return VisitDecoder(format, visit);
+}
+
+#elif !MJOLNIR_PORTABLE_TARGET
+#define MJOLNIR_BF16_WORDS 0
+
+template <class Visitor>
+HWY_INLINE decltype(auto) VisitKernelDecoder(Format format, std::size_t, Visitor&& visit) {
+  return VisitDecoder(format, visit);
+}
+#else
+#define MJOLNIR_BF16_WORDS 0
+#endif  // HWY_TARGET == HWY_AVX3_DL
+
+}  // namespace mjolnir::cpu::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#endif  // MJOLNIR_CPU_WORD_DECODERS_INL_H_
