@@ -113,13 +113,19 @@ std::vector<Series> sweep_series(bool on_gpu) {
 }
 
 // bench/results/<backend>-sweep-<date>-<machine>[-q<mode>][-p<mode>].json: the machine named by
-// its CPU (or GPU) model, lower case, runs of other characters as one '-'; the Q and P modes
-// named where they are not fp32.
+// its CPU (or GPU) model without trademark signs ("Intel(R) Xeon(R)" -> intel-xeon), lower case,
+// runs of other characters as one '-'; the Q and P modes named where they are not fp32.
 std::string sweep_results_path(const std::string& dir, const std::string& backend,
                                const std::string& date, const std::string& machine,
                                const DecodeParams& params) {
+  std::string model = machine;
+  for (const std::string mark : {"(R)", "(r)", "(TM)", "(tm)"}) {
+    for (std::size_t at = model.find(mark); at != std::string::npos; at = model.find(mark, at)) {
+      model.erase(at, mark.size());
+    }
+  }
   std::string slug;
-  for (const char c : machine) {
+  for (const char c : model) {
     if (std::isalnum(static_cast<unsigned char>(c))) {
       slug += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
     } else if (!slug.empty() && slug.back() != '-') {
