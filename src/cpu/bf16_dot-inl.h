@@ -71,13 +71,17 @@ template <>
 struct DotDecoderOf<DecodeBf16> {
   using type = DotBf16;
 };
-// The low-bit formats' kernel decoders (VisitKernelDecoder) are their word decoders widened.
+// The fp8 and fp6 kernel decoders (VisitKernelDecoder) are their word decoders widened.
 template <class W>
 struct DotDecoderOf<DecodeViaWords<W>> {
   using type = W;
 };
 template <>
-struct DotDecoderOf<DecodeNvfp4ViaWords> {
+struct DotDecoderOf<DecodeE2M1> {
+  using type = DotE2M1;
+};
+template <>
+struct DotDecoderOf<DecodeNvfp4> {
   using type = DotNvfp4;
 };
 

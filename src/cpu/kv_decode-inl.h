@@ -180,8 +180,39 @@ HWY_INLINE hn::Vec<DF> E2M1Nibble(DF df, VU bytes32) {
       df, hn::And(hn::ShiftRight<6>(top), hn::Set(di, static_cast<std::int32_t>(0x81C00000u))));
 }
 
+// On x86 with AVX2 or AVX-512 a nibble is instead looked up in a table of the 16 true values
+// (vpermps: AVX-512 indexes 16 entries with the low 4 bits of a lane; AVX2 8 entries with the low
+// 3, the magnitude, and the sign is put back from bit 3): e2m1's 0.5 is then not the fp32
+// subnormal 2^-127, which Intel cores multiply through a microcode assist at 40-80x the cost.
+// (AMD and Arm cores take subnormals at full speed; there the bit placement stays.)
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL || HWY_TARGET == HWY_AVX2
+#define MJOLNIR_E2M1_LOOKUP 1
+template <std::size_t kJ, class DF, class VU>
+HWY_INLINE hn::Vec<DF> E2M1Value(DF df, VU bytes32) {
+  const hn::RebindToUnsigned<DF> du;
+  const auto index = kJ == 0 ? bytes32 : hn::ShiftRight<4>(bytes32);
+#if HWY_TARGET == HWY_AVX2
+  alignas(32) static constexpr float kMagnitudes[8] = {0.0f, 0.5f, 1.0f, 1.5f,
+                                                       2.0f, 3.0f, 4.0f, 6.0f};
+  const auto magnitude =
+      hn::Vec<DF>{_mm256_permutevar8x32_ps(hn::Load(df, kMagnitudes).raw, index.raw)};
+  const auto sign = hn::And(kJ == 0 ? hn::ShiftLeft<28>(bytes32) : hn::ShiftLeft<24>(bytes32),
+                            hn::Set(du, 0x80000000u));
+  return hn::Or(magnitude, hn::BitCast(df, sign));
+#else
+  alignas(64) static constexpr float kValues[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,
+                                                    4.0f,  6.0f,  -0.0f, -0.5f, -1.0f, -1.5f,
+                                                    -2.0f, -3.0f, -4.0f, -6.0f};
+  (void)du;
+  return hn::Vec<DF>{_mm512_permutexvar_ps(index.raw, hn::Load(df, kValues).raw)};
+#endif
+}
+#else
+#define MJOLNIR_E2M1_LOOKUP 0
+#endif
+
 struct DecodeE2M1 {
-  static constexpr int kRawExp = -126;
+  static constexpr int kRawExp = MJOLNIR_E2M1_LOOKUP ? 0 : -126;
   static constexpr std::size_t kVectors = 2;
   using Tag = WideFloatTag;
 
@@ -196,7 +227,11 @@ struct DecodeE2M1 {
   }
   template <std::size_t kJ, class DF, class VR>
   static HWY_INLINE hn::Vec<DF> Get(DF df, VR bytes32, hn::Vec<DF>) {
+#if MJOLNIR_E2M1_LOOKUP
+    return E2M1Value<kJ>(df, bytes32);
+#else
     return E2M1Nibble<kJ>(df, bytes32);
+#endif
   }
 };
 
@@ -207,8 +242,9 @@ struct DecodeNvfp4 {
   // channels spans 2n / 16 scale blocks, and lane l of both its vectors comes from byte l, so
   // its scale vector holds each block's scale in n / (2n / 16) consecutive lanes: one block
   // (n = 8: AVX2) or two (n = 16: AVX-512).
-  static constexpr int kScaleExp = 64;
-  static constexpr int kRawExp = -126 + kScaleExp;
+  // With the lookup (true values) the scales are true values too: the products are normal.
+  static constexpr int kScaleExp = MJOLNIR_E2M1_LOOKUP ? 0 : 64;
+  static constexpr int kRawExp = MJOLNIR_E2M1_LOOKUP ? 0 : -126 + kScaleExp;
   static constexpr std::size_t kVectors = 2;
   using Tag = BlockFloatTag;
 
@@ -238,7 +274,11 @@ struct DecodeNvfp4 {
     // through a slow microcoded path (3x slower decode measured) but fuses it at full speed in an
     // FMA, so the exact product is taken as x * scale + (-0), which is x * scale, signed zeros
     // included.
+#if MJOLNIR_E2M1_LOOKUP
+    return hn::Mul(E2M1Value<kJ>(df, bytes32), scale);
+#else
     return hn::MulAdd(E2M1Nibble<kJ>(df, bytes32), scale, hn::Set(df, -0.0f));
+#endif
   }
 };
 

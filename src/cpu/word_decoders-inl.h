@@ -2,15 +2,14 @@
 // (AVX-512 with VBMI): byte and word permutes look codes up in small tables, 4 to 7 ops per 64
 // channels. Two users:
 //   - Q . K on bf16 dot products (bf16_dot-inl.h) takes the words as they are.
-//   - The fp32 FMA paths (P . V always, Q . K off the dot products) widen each word vector into
-//     two fp32 vectors with one op each (DecodeViaWords below), in place of kv_decode-inl.h's bit
-//     placements. Those place codes straight into fp32 bit fields, so a format's subnormal codes
-//     (and e2m1's 0.5, e4m3's and e5m2's smallest) become fp32 subnormals; Intel cores take a
-//     microcode assist for every FMA with a subnormal operand (fp4 steps ran 45x slower on a
-//     Xeon with AVX-512, 1.2 us per token-head against 27 ns with the MXCSR's DAZ bit set), where
-//     AMD's take them at full speed. True values are never fp32 subnormals: the smallest is
-//     e5m2's 2^-16. The widened decode is also shorter than the bit placement (fp8: 9 ops per 4
-//     vectors against 12).
+//   - The fp32 FMA paths (P . V always, Q . K off the dot products) widen each fp8 or fp6 word
+//     vector into two fp32 vectors with one op each (DecodeViaWords below), in place of
+//     kv_decode-inl.h's bit placements. Those place codes straight into fp32 bit fields, so the
+//     subnormal codes become fp32 subnormals, and Intel cores take a microcode assist for every
+//     FMA with a subnormal operand (fp6_e2m3 steps ran 1216 ns per token-head on a Xeon with
+//     AVX-512, against 36 now), where AMD's take them at full speed. True values are never fp32
+//     subnormals: the smallest is e5m2's 2^-16. The widened decode is also shorter than the bit
+//     placement (fp8: 9 ops per 4 vectors against 12).
 // Per-target header, see kv_decode-inl.h.
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -29,7 +28,6 @@
 #include <cstdint>
 
 #include "core/minifloat.h"
-#include "cpu/codec_tables.h"
 #include "cpu/kv_decode-inl.h"
 #include "hwy/highway.h"
 #include "mjolnir/format.h"
@@ -283,29 +281,10 @@ struct DecodeViaWords {
   }
 };
 
-// nvfp4: the e2m1 values times their block's e4m3 scale. Lane l of every vector of chunk c holds
-// a channel 64 c + 4 l + (0..3) (DotE2M1's order), all of block 4 c + l / 4, so one scale vector
-// serves the chunk's four: the four scales' true values (a table lookup each, NaN included) spread
-// with one permute. The products (2 x 4 significant bits) are exact, and normal.
-struct DecodeNvfp4ViaWords : DecodeViaWords<DotE2M1> {
-  template <class DF>
-  static HWY_INLINE hn::Vec<DF> Aux(DF df, const std::uint8_t* row, std::size_t chunk,
-                                    std::size_t head_dim) {
-    static constexpr auto kScales = e4m3_value_table<0>();
-    const std::uint8_t* codes = row + head_dim / 2 + 4 * chunk;
-    const __m128 four =
-        _mm_setr_ps(kScales[codes[0]], kScales[codes[1]], kScales[codes[2]], kScales[codes[3]]);
-    const __m512i block_of_lane = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-    return hn::Vec<DF>{_mm512_permutexvar_ps(block_of_lane, _mm512_castps128_ps512(four))};
-  }
-  template <std::size_t kJ, class DF>
-  static HWY_INLINE hn::Vec<DF> Get(DF df, const Pair& p, hn::Vec<DF> scale) {
-    return hn::Mul(DecodeViaWords<DotE2M1>::Get<kJ>(df, p, scale), scale);
-  }
-};
-
-// VisitDecoder's choice for the fast kernels: the decoders through words for the low-bit
-// formats where rows have whole 64-channel chunks (head_dim % 64 == 0), else VisitDecoder's.
+// VisitDecoder's choice for the fast kernels: the decoders through words for fp8 and fp6 where
+// rows have whole 64-channel chunks (head_dim % 64 == 0), else VisitDecoder's. (e2m1 and nvfp4
+// keep kv_decode-inl.h's, which on AVX-512 look nibbles up as true values with vpermps, 2 ops a
+// vector as through the words, and ran as fast: kernel_rates A/B, 3 rounds, within 2-5%.)
 template <class Visitor>
 HWY_INLINE decltype(auto) VisitKernelDecoder(Format format, std::size_t head_dim, Visitor&& visit) {
   if (head_dim % kDotChunk == 0) {
@@ -319,9 +298,7 @@ HWY_INLINE decltype(auto) VisitKernelDecoder(Format format, std::size_t head_dim
       case Format::fp6_e3m2:
         return visit.template operator()<DecodeViaWords<DotFp6<kE3M2Spec>>>();
       case Format::fp4_e2m1:
-        return visit.template operator()<DecodeViaWords<DotE2M1>>();
       case Format::nvfp4:
-        return visit.template operator()<DecodeNvfp4ViaWords>();
       case Format::bf16:
       case Format::fp16:
         break;
