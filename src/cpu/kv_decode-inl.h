@@ -101,11 +101,53 @@ struct DecodeFp8 {
   }
 };
 
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL || HWY_TARGET == HWY_AVX2
+// x86 with F16C: the codes are placed into fp16 bit fields instead, and the hardware conversion
+// to fp32 turns fp16 subnormals into normal fp32 values, so no FMA meets an fp32 subnormal (an
+// Intel microcode assist each; see E2M1Value). The byte is sign-extended to 16 bits, shifted
+// (kShift) and masked (kMask16, e4m3 only): for e4m3 one op more than the fp32 placement, for
+// e5m2 as many.
+template <int kShift, std::uint16_t kMask16, int kRaw>
+struct DecodeFp8Half {
+  static constexpr int kRawExp = kRaw;
+  static constexpr std::size_t kVectors = 1;
+  using Tag = WideFloatTag;
+
+  template <class DF>
+  static HWY_INLINE hn::Vec<hn::Rebind<std::int16_t, DF>> Load(DF df, const std::uint8_t* row,
+                                                               std::size_t chunk, std::size_t) {
+    const hn::Rebind<std::int16_t, DF> d16;
+    const hn::Rebind<std::int8_t, DF> d8;
+    const std::size_t n = hn::Lanes(df);
+    return hn::PromoteTo(d16, hn::LoadU(d8, reinterpret_cast<const std::int8_t*>(row) + chunk * n));
+  }
+  template <class DF>
+  static HWY_INLINE hn::Vec<DF> Aux(DF df, const std::uint8_t*, std::size_t, std::size_t) {
+    return hn::Zero(df);
+  }
+  template <std::size_t kJ, class DF, class VR>
+  static HWY_INLINE hn::Vec<DF> Get(DF df, VR raw, hn::Vec<DF>) {
+    const hn::Rebind<std::int16_t, DF> d16;
+    const hn::Rebind<hwy::float16_t, DF> dh;
+    auto bits = hn::ShiftLeft<kShift>(raw);
+    if constexpr (kMask16 != 0xFFFFu) {
+      bits = hn::And(bits, hn::Set(d16, static_cast<std::int16_t>(kMask16)));
+    }
+    return hn::PromoteTo(df, hn::BitCast(dh, bits));
+  }
+};
+// s.eeee.mmm -> fp16 bits 15 | 13..10 | 9..7: 2^(e-15) (1.m) for a true 2^(e-7) (1.m), the
+// subnormal m 2^-9 the fp16 subnormal m 2^-17: both 2^-8.
+using DecodeE4M3 = DecodeFp8Half<7, 0xBF80u, -8>;
+// s.eeeee.mm is the high byte of the fp16 of the same value: no mask, true values.
+using DecodeE5M2 = DecodeFp8Half<8, 0xFFFFu, 0>;
+#else
 // s.eeee.mmm -> fp32 bits 31 | 26..23 | 22..20: 2^(e-127) (1.m) for a true 2^(e-7) (1.m), and
 // the subnormal m 2^-9 lands on the fp32 subnormal m 2^-129: both 2^-120.
 using DecodeE4M3 = DecodeFp8<20, 0x87F00000u, -120>;
 // s.eeeee.mm -> bits 31 | 27..23 | 22..21: 2^(e-127) for 2^(e-15).
 using DecodeE5M2 = DecodeFp8<21, 0x8FE00000u, -112>;
+#endif
 
 // --- bf16 / fp16 ---------------------------------------------------------------------------------
 
