@@ -33,6 +33,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "core/minifloat.h"
 #include "cpu/codec_tables.h"
 #include "hwy/highway.h"
 #include "mjolnir/format.h"
@@ -102,6 +103,7 @@ struct DecodeFp8 {
 };
 
 #if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL || HWY_TARGET == HWY_AVX2
+#define MJOLNIR_FP8_HALF 1
 // x86 with F16C: the codes are placed into fp16 bit fields instead, and the hardware conversion
 // to fp32 turns fp16 subnormals into normal fp32 values, so no FMA meets an fp32 subnormal (an
 // Intel microcode assist each; see E2M1Value). The byte is sign-extended to 16 bits, shifted
@@ -142,6 +144,7 @@ using DecodeE4M3 = DecodeFp8Half<7, 0xBF80u, -8>;
 // s.eeeee.mm is the high byte of the fp16 of the same value: no mask, true values.
 using DecodeE5M2 = DecodeFp8Half<8, 0xFFFFu, 0>;
 #else
+#define MJOLNIR_FP8_HALF 0
 // s.eeee.mmm -> fp32 bits 31 | 26..23 | 22..20: 2^(e-127) (1.m) for a true 2^(e-7) (1.m), and
 // the subnormal m 2^-9 lands on the fp32 subnormal m 2^-129: both 2^-120.
 using DecodeE4M3 = DecodeFp8<20, 0x87F00000u, -120>;
@@ -390,7 +393,8 @@ struct DecodeFp6 {
 template <int kExponentBits>
 struct DecodeFp6Wide {
   static constexpr int kMantissaBits = 5 - kExponentBits;
-  static constexpr int kRawExp = DecodeFp6<kExponentBits>::kRawExp;
+  // True values: the magnitude is looked up (below), so no code is an fp32 subnormal.
+  static constexpr int kRawExp = 0;
   static constexpr std::size_t kVectors = 2;
   using Tag = WideFloatTag;
 
@@ -428,11 +432,29 @@ struct DecodeFp6Wide {
     alignas(64) static constexpr std::int32_t kUp[16] = {kLow,  kLow,  kLow,  kLow,  kLow,  kLow,
                                                          kLow,  kLow,  kHigh, kHigh, kHigh, kHigh,
                                                          kHigh, kHigh, kHigh, kHigh};
-    constexpr int kDown = 3 + kMantissaBits;
-    const auto mask = hn::Set(di, static_cast<std::int32_t>(0x80000000u | (0x1Fu << (26 - kDown))));
     const auto top = hn::Shl(words, hn::Load(di, kUp));
-    return hn::BitCast(df, hn::And(hn::ShiftRight<kDown>(top), mask));
+    // The code's 5 magnitude bits index the 32 true magnitudes (vpermi2ps reads the low 5 bits of
+    // each index, so the sign at bit 5 is ignored); the sign bit is then ORed in from `top`:
+    // 4 ops where placing bits takes 3, but the subnormal codes are normal fp32 values, which
+    // Intel cores multiply without a microcode assist (see E2M1Value).
+    static constexpr Fp6Magnitudes kMagnitudes;
+    const hn::RebindToUnsigned<DF> du;
+    const auto index = hn::ShiftRight<26>(hn::BitCast(du, top));
+    const __m512 magnitude = _mm512_permutex2var_ps(hn::Load(df, kMagnitudes.values).raw, index.raw,
+                                                    hn::Load(df, kMagnitudes.values + 16).raw);
+    // magnitude | (top & sign bit): truth table 0xF8 over (magnitude, top, sign mask).
+    return hn::BitCast(
+        df, hn::Vec<decltype(du)>{_mm512_ternarylogic_epi32(_mm512_castps_si512(magnitude), top.raw,
+                                                            hn::Set(du, 0x80000000u).raw, 0xF8)});
   }
+  // The true value of every magnitude code (sign clear) of the format.
+  struct Fp6Magnitudes {
+    alignas(64) float values[32]{};
+    constexpr Fp6Magnitudes() {
+      constexpr MinifloatSpec kSpec = kExponentBits == 2 ? kE2M3Spec : kE3M2Spec;
+      for (std::uint32_t code = 0; code < 32; ++code) values[code] = decode_minifloat<kSpec>(code);
+    }
+  };
 };
 
 #if MJOLNIR_WIDE_FP6
