@@ -389,10 +389,10 @@ struct DecodeFp6 {
 // (it never reads past the 24 bytes, so never outside the row), a dword permute that puts groups
 // 0-3 into 128-bit blocks 0 and 2 and groups 4-7 into blocks 1 and 3, and the byte shuffle above
 // give lane l group l % 8; vector j then takes code 2j in lanes 0-7 and code 2j + 1 in lanes
-// 8-15 with one variable shift, then the arithmetic shift and mask as above.
+// 8-15 with one variable shift; its magnitude is then looked up (see Get).
+#if MJOLNIR_WIDE_FP6
 template <int kExponentBits>
 struct DecodeFp6Wide {
-  static constexpr int kMantissaBits = 5 - kExponentBits;
   // True values: the magnitude is looked up (below), so no code is an fp32 subnormal.
   static constexpr int kRawExp = 0;
   static constexpr std::size_t kVectors = 2;
@@ -457,7 +457,6 @@ struct DecodeFp6Wide {
   };
 };
 
-#if MJOLNIR_WIDE_FP6
 using DecodeE2M3 = DecodeFp6Wide<2>;
 using DecodeE3M2 = DecodeFp6Wide<3>;
 #else
