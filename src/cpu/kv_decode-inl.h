@@ -17,11 +17,13 @@
 //     the bias difference is the power of two, which the kernel folds into Q and the score
 //     scale (for K) or into P and the output scale (for V).
 // Subnormal fp32 values cost nothing on AMD and Arm cores but a microcode assist per FMA on
-// Intel's, so on AVX3_DL the kernels take word_decoders-inl.h's table decoders for the low-bit
-// formats instead (VisitKernelDecoder), which make true values.
+// Intel's, so the x86 AVX2 and AVX-512 decoders avoid them: e2m1 and nvfp4 by table lookup,
+// fp8 through fp16 and F16C, fp6 (AVX-512) by looking its magnitude up; on AVX3_DL the kernels
+// take word_decoders-inl.h's decoders for fp8 and fp6 (VisitKernelDecoder). fp6 on AVX2 and
+// every format on SSE4 and Arm still make fp32 subnormals (Arm cores take them at full speed).
 // Codes that never reach a cache written by write_kv (Inf/NaN codes of e4m3 and e5m2) decode to
-// finite values here; every finite code decodes exactly (tests/test_cpu_kernels.cc checks every
-// code against decode_row).
+// finite values here (e5m2's to Inf/NaN through F16C); every finite code decodes exactly
+// (tests/test_cpu_kernels.cc checks every code against decode_row).
 
 #if defined(MJOLNIR_CPU_KV_DECODE_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef MJOLNIR_CPU_KV_DECODE_INL_H_
