@@ -253,7 +253,6 @@ struct DecodeViaWords {
   static constexpr int kRawExp = 0;
   static constexpr std::size_t kVectors = 4;
   using Tag = WideFloatTag;
-  using WordDecoder = W;
   struct Pair {
     Words x0, x1;
   };
