@@ -231,7 +231,7 @@ HWY_INLINE hn::Vec<DF> E2M1Nibble(DF df, VU bytes32) {
 // (vpermps: AVX-512 indexes 16 entries with the low 4 bits of a lane; AVX2 8 entries with the low
 // 3, the magnitude, and the sign is put back from bit 3): e2m1's 0.5 is then not the fp32
 // subnormal 2^-127, which Intel cores multiply through a microcode assist at 40-80x the cost.
-// (AMD and Arm cores take subnormals at full speed; there the bit placement stays.)
+// (SSE4 and Arm keep the bit placement; Arm cores take subnormals at full speed.)
 #if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL || HWY_TARGET == HWY_AVX2
 #define MJOLNIR_E2M1_LOOKUP 1
 template <std::size_t kJ, class DF, class VU>

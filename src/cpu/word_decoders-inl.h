@@ -166,18 +166,16 @@ struct DotNvfp4 : DotE2M1 {
     const WideFloatTag df;
     const hn::RebindToUnsigned<WideFloatTag> du;
     const hn::Rebind<std::uint8_t, WideFloatTag> d8;
+    const hn::Rebind<std::int16_t, WideFloatTag> d16;
     const std::size_t blocks = d / kNvfp4BlockSize - 16 * group;
     const auto mask = static_cast<__mmask16>(blocks >= 16 ? 0xFFFFu : (1u << blocks) - 1);
-    const auto b = hn::PromoteTo(
-        du, hn::Vec<decltype(d8)>{_mm_maskz_loadu_epi8(mask, row + d / 2 + 16 * group)});
-    // S.EEEE.MMM with exponent and mantissa at fp32 bit 20 and the sign at bit 31 is 2^-120
-    // times the value, subnormals included (as fp32 subnormals, exact); the FMA by 2^120 (an FMA
-    // takes subnormal operands at full speed) gives the value. S.1111.111 is NaN.
-    const auto magnitude = hn::And(b, hn::Set(du, 0x7Fu));
-    const auto bits =
-        hn::Or(hn::ShiftLeft<20>(magnitude), hn::ShiftLeft<24>(hn::And(b, hn::Set(du, 0x80u))));
-    const auto values =
-        hn::MulAdd(hn::BitCast(df, bits), hn::Set(df, 0x1p120f), hn::Set(df, -0.0f));
+    const hn::Vec<decltype(d8)> codes{_mm_maskz_loadu_epi8(mask, row + d / 2 + 16 * group)};
+    // DecodeE4M3's fp16 placement and F16C conversion (kv_decode-inl.h: value times 2^-8, no
+    // fp32 subnormal for an Intel FMA to take an assist on), times 2^8. S.1111.111 is NaN.
+    static_assert(DecodeE4M3::kRawExp == -8);
+    const auto wide = hn::PromoteTo(d16, hn::BitCast(hn::RebindToSigned<decltype(d8)>(), codes));
+    const auto values = hn::Mul(DecodeE4M3::Get<0>(df, wide, hn::Zero(df)), hn::Set(df, 0x1p8f));
+    const auto magnitude = hn::And(hn::PromoteTo(du, codes), hn::Set(du, 0x7Fu));
     return hn::IfThenElse(hn::RebindMask(df, hn::Eq(magnitude, hn::Set(du, 0x7Fu))),
                           hn::Set(df, __builtin_nanf("")), values);
   }
