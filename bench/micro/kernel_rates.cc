@@ -25,6 +25,9 @@
 #include <string>
 #include <vector>
 
+// First, so HWY_TARGETS below lists the targets the kernel is compiled for (AVX3_DL among them).
+#include "cpu/simd_targets.h"
+
 #include "hwy/targets.h"
 
 #include "cpu/attention_kernel.h"
@@ -121,7 +124,10 @@ int main(int argc, char** argv) {
     if (std::strncmp(argv[i], "--target=", 9) != 0) {
       args.push_back(argv[i]);
     } else if (!mjolnir::limit_to_target(argv[i] + 9)) {
-      std::fprintf(stderr, "kernel_rates: --target: no compiled target named '%s'\n", argv[i] + 9);
+      std::string known;
+      for (const std::string& name : mjolnir::cpu::kernel_targets()) known += " " + name;
+      std::fprintf(stderr, "kernel_rates: --target: no compiled target named '%s' (compiled:%s)\n",
+                   argv[i] + 9, known.c_str());
       return 2;
     }
   }
