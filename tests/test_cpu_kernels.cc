@@ -29,6 +29,7 @@
 #include "core/minifloat.h"
 #include "cpu/attention_kernel.h"
 #include "cpu/row_encoder.h"
+#include "cpu/subnormals.h"
 #include "cpu/work_units.h"
 #include "mjolnir/format.h"
 #include "test_seed.h"
@@ -127,7 +128,8 @@ void TestDecoders() {
   for (Format format : kAllFormats) {
     // The decoders that never make an fp32 subnormal (Intel FMAs take an assist for each): on
     // x86 AVX2 and AVX-512, e2m1 looked up as true values and fp8 converted from fp16; on
-    // AVX-512, fp6 magnitudes looked up.
+    // AVX-512, fp6 magnitudes looked up; on AVX2, fp6 through fp16 (DecodeFp6Half, which the
+    // kernel takes on CPUs with slow subnormals).
     const bool e2m1 = format == Format::fp4_e2m1 || format == Format::nvfp4;
     const bool fp8 = format == Format::fp8_e4m3 || format == Format::fp8_e5m2;
     const bool fp6 = format == Format::fp6_e2m3 || format == Format::fp6_e3m2;
@@ -136,11 +138,18 @@ void TestDecoders() {
     VisitDecoder(format, [&]<class Decoder>() {
       CheckDecoder<Decoder>(format, {32, 64, 96, 128, 160, 256}, normal_only);
     });
+#if MJOLNIR_FP6_HALF
+    if (format == Format::fp6_e2m3) CheckDecoder<DecodeFp6Half<2>>(format, {32, 64, 96, 256}, true);
+    if (format == Format::fp6_e3m2) CheckDecoder<DecodeFp6Half<3>>(format, {32, 64, 96, 256}, true);
+#endif
     // The kernel's own choice where rows have whole 64-channel chunks: on AVX3_DL the decoders
-    // through bf16 words for the low-bit formats, which must never make an fp32 subnormal.
+    // through bf16 words for the low-bit formats, which must never make an fp32 subnormal, nor
+    // must AVX2's fp6 where subnormals are slow.
     VisitKernelDecoder(format, 64, [&]<class Decoder>() {
+      const bool low_bit = format != Format::bf16 && format != Format::fp16;
       CheckDecoder<Decoder>(format, {64, 128, 192, 256},
-                            MJOLNIR_BF16_WORDS && format != Format::bf16 && format != Format::fp16);
+                            (MJOLNIR_BF16_WORDS && low_bit) ||
+                                (MJOLNIR_FP6_HALF && fp6 && fp32_subnormals_are_slow()));
     });
   }
 }
@@ -468,6 +477,22 @@ TEST_P(CpuKernelMatrix, OddShapesMatchEmulator) {
       }
     }
   }
+}
+
+// The decoders the kernel takes on CPUs whose subnormal FMAs are slow (on AVX2, fp6 through fp16),
+// run here whatever this CPU is: the fp6 cases of the quick matrix against the emulator.
+TEST_P(CpuKernelMatrix, Fp6AvoidingSubnormalsMatchesEmulator) {
+  cpu::set_fp32_subnormals_slow(true);
+  const auto backend = make_backend("cpu", BackendOptions{.threads = 2});
+  int cases = 0;
+  for (const verify::Case& c : verify::case_matrix(true, mjolnir::testing::test_seed() + 5)) {
+    if (c.spec.format != Format::fp6_e2m3 && c.spec.format != Format::fp6_e3m2) continue;
+    const verify::CaseResult r = verify::run_case(c, *backend);
+    EXPECT_NE(r.status, verify::CaseResult::Status::failed) << c.name() << ": " << r.message;
+    ++cases;
+  }
+  cpu::set_fp32_subnormals_slow(std::nullopt);
+  EXPECT_GT(cases, 0);
 }
 
 // Q . K on bf16 dot products (Q in bf16 or fp8 mode, or in fp32 mode with bf16 values; P in

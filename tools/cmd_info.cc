@@ -10,6 +10,7 @@
 #include "cpu/attention_kernel.h"
 #include "cpu/huge_pages.h"
 #include "cpu/read_bandwidth.h"
+#include "cpu/subnormals.h"
 #include "machine_info.h"
 #include "mjolnir/decode.h"
 
@@ -46,6 +47,10 @@ int run_info() {
               !cpu::cpu_has_bf16_dot()  ? "no (the dispatched target or the CPU lacks AVX512_BF16)"
               : cpu::bf16_dot_enabled() ? "yes"
                                         : "off (MJOLNIR_CPU_BF16_DOT=0)");
+  std::printf("fp32 subnormal FMAs: %s\n",
+              cpu::fp32_subnormals_are_slow()
+                  ? "slow (Intel, or MJOLNIR_CPU_AVOID_SUBNORMALS=1): decoders that avoid them"
+                  : "full speed");
   std::printf("transparent huge pages: %s\n", cpu::transparent_huge_pages_mode().c_str());
 
   std::printf("backends:");

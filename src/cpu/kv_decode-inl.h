@@ -19,8 +19,9 @@
 // Subnormal fp32 values cost nothing on AMD and Arm cores but a microcode assist per FMA on
 // Intel's, so the x86 AVX2 and AVX-512 decoders avoid them: e2m1 and nvfp4 by table lookup,
 // fp8 through fp16 and F16C, fp6 (AVX-512) by looking its magnitude up; on AVX3_DL the kernels
-// take word_decoders-inl.h's decoders for fp8 and fp6 (VisitKernelDecoder). fp6 on AVX2 and
-// every format on SSE4 and Arm still make fp32 subnormals (Arm cores take them at full speed).
+// take word_decoders-inl.h's decoders for fp8 and fp6 (VisitKernelDecoder), and on AVX2 fp6
+// through fp16 (DecodeFp6Half) where subnormals are slow (Intel). Every format on SSE4 and Arm
+// still makes fp32 subnormals (Arm cores take them at full speed).
 // Codes that never reach a cache written by write_kv (Inf/NaN codes of e4m3 and e5m2) decode to
 // finite values here (e5m2's to Inf/NaN through F16C); every finite code decodes exactly
 // (tests/test_cpu_kernels.cc checks every code against decode_row).
@@ -392,6 +393,7 @@ struct DecodeFp6 {
 // 0-3 into 128-bit blocks 0 and 2 and groups 4-7 into blocks 1 and 3, and the byte shuffle above
 // give lane l group l % 8; vector j then takes code 2j in lanes 0-7 and code 2j + 1 in lanes
 // 8-15 with one variable shift; its magnitude is then looked up (see Get).
+#undef MJOLNIR_FP6_HALF
 #if MJOLNIR_WIDE_FP6
 template <int kExponentBits>
 struct DecodeFp6Wide {
@@ -459,9 +461,76 @@ struct DecodeFp6Wide {
   };
 };
 
+#define MJOLNIR_FP6_HALF 0
 using DecodeE2M3 = DecodeFp6Wide<2>;
 using DecodeE3M2 = DecodeFp6Wide<3>;
+#elif HWY_TARGET == HWY_AVX2
+#define MJOLNIR_FP6_HALF 1
+// AVX2: DecodeFp6's groups and shifts, but each code placed into the low half of its 32-bit lane
+// as fp16 bits (s | exponent at fp16 bits 10.. | mantissa below), two vectors' lanes packed into
+// 16 halves and converted by F16C, which turns fp16 subnormals into normal fp32 values: no FMA
+// meets an fp32 subnormal (an Intel microcode assist each, see E2M1Value). 5 ops a vector where
+// DecodeFp6's placement takes 3, which on a Zen 5 made fp6 steps 30% slower (kernel_rates
+// --target=AVX2, g 4: 34 -> 45 ns per token-head), so the kernel takes it only on CPUs whose
+// subnormal FMAs are slow (VisitKernelDecoder, cpu/subnormals.h); DecodeE2M3 / DecodeE3M2 stay
+// the placement.
+template <int kExponentBits>
+struct DecodeFp6Half {
+  // e2m3: 2^(e-15) (1.m) for 2^(e-1) (1.m), the subnormal m 2^-3 the fp16 subnormal m 2^-17:
+  // 2^-14. e3m2: 2^(e-15) (1.m) for 2^(e-3) (1.m), m 2^-4 as m 2^-16: 2^-12.
+  static constexpr int kRawExp = kExponentBits == 2 ? -14 : -12;
+  static constexpr std::size_t kVectors = 4;
+  using Tag = BlockFloatTag;
+  struct Vectors {
+    hn::Vec<BlockFloatTag> v[4];
+  };
+
+  // Vector 2p + q, lane i: code 2p + i / 4 of group 4q + i % 4 (the 128-bit halves of a pack).
+  static constexpr std::size_t Channel(std::size_t j, std::size_t lane, std::size_t /* n */) {
+    return 4 * (4 * (j % 2) + lane % 4) + 2 * (j / 2) + lane / 4;
+  }
+
+  template <class DF>
+  static HWY_INLINE Vectors Load(DF df, const std::uint8_t* row, std::size_t chunk,
+                                 std::size_t head_dim) {
+    static_assert(hn::MaxLanes(DF()) == 8);
+    const auto words = DecodeFp6<kExponentBits>::Load(df, row, chunk, head_dim);
+    const __m256i h0 = Place<0>(words), h1 = Place<1>(words), h2 = Place<2>(words),
+                  h3 = Place<3>(words);
+    // Each lane holds at most 0xFFFF, so the unsigned-saturating pack keeps every half as it is.
+    const __m256i p01 = _mm256_packus_epi32(h0, h1), p23 = _mm256_packus_epi32(h2, h3);
+    return {{hn::Vec<DF>{_mm256_cvtph_ps(_mm256_castsi256_si128(p01))},
+             hn::Vec<DF>{_mm256_cvtph_ps(_mm256_extracti128_si256(p01, 1))},
+             hn::Vec<DF>{_mm256_cvtph_ps(_mm256_castsi256_si128(p23))},
+             hn::Vec<DF>{_mm256_cvtph_ps(_mm256_extracti128_si256(p23, 1))}}};
+  }
+  template <class DF>
+  static HWY_INLINE hn::Vec<DF> Aux(DF df, const std::uint8_t*, std::size_t, std::size_t) {
+    return hn::Zero(df);
+  }
+  template <std::size_t kJ, class DF>
+  static HWY_INLINE hn::Vec<DF> Get(DF, const Vectors& vectors, hn::Vec<DF>) {
+    return vectors.v[kJ];
+  }
+
+ private:
+  // Code kC of every lane's group as fp16 bits in the lane's low half: its sign to bit 31, then
+  // an arithmetic shift that brings the magnitude's top bit to fp16 bit 11 (e2m3) or 12 (e3m2)
+  // and copies the sign down over bit 15, and a mask.
+  template <int kC, class V>
+  static HWY_INLINE __m256i Place(V words) {
+    constexpr int kUp = 26 - 6 * kC;
+    constexpr int kDown = 16 + 5 - kExponentBits;  // e2m3: bit 30 -> 11; e3m2: 30 -> 12
+    const __m256i top = _mm256_slli_epi32(words.raw, kUp);
+    return _mm256_and_si256(_mm256_srai_epi32(top, kDown),
+                            _mm256_set1_epi32(0x8000 | (0x1F << (26 - kDown))));
+  }
+};
+
+using DecodeE2M3 = DecodeFp6<2>;
+using DecodeE3M2 = DecodeFp6<3>;
 #else
+#define MJOLNIR_FP6_HALF 0
 using DecodeE2M3 = DecodeFp6<2>;
 using DecodeE3M2 = DecodeFp6<3>;
 #endif

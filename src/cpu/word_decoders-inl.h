@@ -29,6 +29,7 @@
 
 #include "core/minifloat.h"
 #include "cpu/kv_decode-inl.h"
+#include "cpu/subnormals.h"
 #include "hwy/highway.h"
 #include "mjolnir/format.h"
 
@@ -307,8 +308,16 @@ HWY_INLINE decltype(auto) VisitKernelDecoder(Format format, std::size_t head_dim
 #elif !MJOLNIR_PORTABLE_TARGET
 #define MJOLNIR_BF16_WORDS 0
 
+// VisitDecoder's choice, except fp6 on AVX2 where the CPU's subnormal FMAs are slow: through fp16
+// (DecodeFp6Half), which never makes an fp32 subnormal.
 template <class Visitor>
 HWY_INLINE decltype(auto) VisitKernelDecoder(Format format, std::size_t, Visitor&& visit) {
+#if MJOLNIR_FP6_HALF
+  if (fp32_subnormals_are_slow()) {
+    if (format == Format::fp6_e2m3) return visit.template operator()<DecodeFp6Half<2>>();
+    if (format == Format::fp6_e3m2) return visit.template operator()<DecodeFp6Half<3>>();
+  }
+#endif
   return VisitDecoder(format, visit);
 }
 #else
