@@ -6,11 +6,11 @@
 // memory side apart from the kernel's arithmetic (bench/micro/kernel_rates) in
 // docs/cpu-performance.md.
 //
-//   build/bench/micro/page_read [--threads N] [--row-bytes B] [--tokens T] [--no-prefetch]
-//                               [--work N] [--small-pages]
+//   build/bench/micro/page_read [--threads=N] [--row-bytes=B] [--tokens=T] [--no-prefetch]
+//                               [--work=N] [--small-pages]
 //
 // --row-bytes: bytes of one token's row of one head (128: fp8 at D 128; 256: bf16; 64: fp4).
-// --work N: N dependent-free multiply-adds per cache line read, to see how the pattern holds up
+// --work=N: N dependent-free multiply-adds per cache line read, to see how the pattern holds up
 // beside arithmetic. --small-pages: no MADV_HUGEPAGE on the pool. Prints GB/s for each thread
 // count from 1 to N, and the sequential read bandwidth (the bench's limit) beside it.
 #include <algorithm>
