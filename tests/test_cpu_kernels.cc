@@ -142,15 +142,21 @@ void TestDecoders() {
     if (format == Format::fp6_e2m3) CheckDecoder<DecodeFp6Half<2>>(format, {32, 64, 96, 256}, true);
     if (format == Format::fp6_e3m2) CheckDecoder<DecodeFp6Half<3>>(format, {32, 64, 96, 256}, true);
 #endif
-    // The kernel's own choice where rows have whole 64-channel chunks: on AVX3_DL the decoders
-    // through bf16 words for the low-bit formats, which must never make an fp32 subnormal, nor
-    // must AVX2's fp6 where subnormals are slow.
-    VisitKernelDecoder(format, 64, [&]<class Decoder>() {
-      const bool low_bit = format != Format::bf16 && format != Format::fp16;
-      CheckDecoder<Decoder>(format, {64, 128, 192, 256},
-                            (MJOLNIR_BF16_WORDS && low_bit) ||
-                                (MJOLNIR_FP6_HALF && fp6 && fp32_subnormals_are_slow()));
-    });
+    // The kernel's own choice where rows have whole 64-channel chunks, for CPUs with fast and
+    // with slow subnormals whatever this one is: on AVX3_DL the decoders through bf16 words for
+    // the low-bit formats, which must never make an fp32 subnormal, nor, where subnormals are
+    // slow, must AVX2's fp6 or SSE4's lifted decoders.
+    const bool low_bit = format != Format::bf16 && format != Format::fp16;
+    for (const bool slow : {false, true}) {
+      set_fp32_subnormals_slow(slow);
+      VisitKernelDecoder(format, 64, [&]<class Decoder>() {
+        CheckDecoder<Decoder>(
+            format, {64, 128, 192, 256},
+            (MJOLNIR_BF16_WORDS && low_bit) ||
+                (slow && ((MJOLNIR_FP6_HALF && fp6) || (MJOLNIR_LIFTED_DECODERS && low_bit))));
+      });
+    }
+    set_fp32_subnormals_slow(std::nullopt);
   }
 }
 
@@ -479,14 +485,15 @@ TEST_P(CpuKernelMatrix, OddShapesMatchEmulator) {
   }
 }
 
-// The decoders the kernel takes on CPUs whose subnormal FMAs are slow (on AVX2, fp6 through fp16),
-// run here whatever this CPU is: the fp6 cases of the quick matrix against the emulator.
-TEST_P(CpuKernelMatrix, Fp6AvoidingSubnormalsMatchesEmulator) {
+// The decoders the kernel takes on CPUs whose subnormal FMAs are slow (on AVX2, fp6 through fp16;
+// on SSE4, every placed format lifted), run here whatever this CPU is: the low-bit cases of the
+// quick matrix against the emulator.
+TEST_P(CpuKernelMatrix, AvoidingSubnormalsMatchesEmulator) {
   cpu::set_fp32_subnormals_slow(true);
   const auto backend = make_backend("cpu", BackendOptions{.threads = 2});
   int cases = 0;
   for (const verify::Case& c : verify::case_matrix(true, mjolnir::testing::test_seed() + 5)) {
-    if (c.spec.format != Format::fp6_e2m3 && c.spec.format != Format::fp6_e3m2) continue;
+    if (c.spec.format == Format::bf16 || c.spec.format == Format::fp16) continue;
     const verify::CaseResult r = verify::run_case(c, *backend);
     EXPECT_NE(r.status, verify::CaseResult::Status::failed) << c.name() << ": " << r.message;
     ++cases;

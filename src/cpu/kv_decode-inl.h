@@ -20,8 +20,9 @@
 // Intel's, so the x86 AVX2 and AVX-512 decoders avoid them: e2m1 and nvfp4 by table lookup,
 // fp8 through fp16 and F16C, fp6 (AVX-512) by looking its magnitude up; on AVX3_DL the kernels
 // take word_decoders-inl.h's decoders for fp8 and fp6 (VisitKernelDecoder), and on AVX2 fp6
-// through fp16 (DecodeFp6Half) where subnormals are slow (Intel). Every format on SSE4 and Arm
-// still makes fp32 subnormals (Arm cores take them at full speed).
+// through fp16 (DecodeFp6Half) where subnormals are slow (Intel); on SSE4 there the placed values
+// are lifted out of the subnormal range (DecodeLifted). Arm keeps the fp32 subnormals (its cores
+// take them at full speed).
 // Codes that never reach a cache written by write_kv (Inf/NaN codes of e4m3 and e5m2) decode to
 // finite values here (e5m2's to Inf/NaN through F16C); every finite code decodes exactly
 // (tests/test_cpu_kernels.cc checks every code against decode_row).
@@ -72,6 +73,28 @@ template <class D>
 HWY_INLINE hn::Vec<D> LoadBytesAs(D d, const std::uint8_t* p) {
   const hn::Repartition<std::uint8_t, D> d8;
   return hn::BitCast(d, hn::LoadU(d8, p));
+}
+
+// x * 2^kLift for an fp32 x whose exponent field is at most 254 - kLift (the raw values of the bit
+// placements below, subnormals included, are all far smaller), exactly and never subnormal, with
+// 8 integer and fp32 ops that take no assist: the decoders of SSE4 on CPUs with slow subnormals
+// (DecodeLifted). A normal x takes kLift on its exponent field. A subnormal, m 2^-149, gets the
+// exponent field kLift + 1, which reads 2^(kLift-126) + m 2^(kLift-149), and the first term is
+// subtracted (exact: both lie in [2^(kLift-126), 2^(kLift-125))); zero stays zero. The sign is
+// set apart first and put back last.
+template <int kLift, class DF>
+HWY_INLINE hn::Vec<DF> LiftToNormal(DF df, hn::Vec<DF> x) {
+  static_assert(kLift >= 1 && kLift <= 126);
+  const hn::RebindToSigned<DF> di;
+  const auto bits = hn::BitCast(di, x);
+  const auto magnitude = hn::And(bits, hn::Set(di, 0x7FFFFFFF));
+  const auto sign = hn::Xor(bits, magnitude);
+  const auto subnormal = hn::RebindMask(df, hn::Lt(magnitude, hn::Set(di, 1 << 23)));
+  const auto normal = hn::BitCast(df, hn::Add(magnitude, hn::Set(di, kLift << 23)));
+  const auto leading = hn::BitCast(df, hn::Set(di, (kLift + 1) << 23));  // 2^(kLift-126)
+  const auto from_subnormal =
+      hn::Sub(hn::BitCast(df, hn::Add(magnitude, hn::Set(di, (kLift + 1) << 23))), leading);
+  return hn::Or(hn::IfThenElse(subnormal, from_subnormal, normal), hn::BitCast(df, sign));
 }
 
 // --- fp8 -----------------------------------------------------------------------------------------
@@ -232,7 +255,8 @@ HWY_INLINE hn::Vec<DF> E2M1Nibble(DF df, VU bytes32) {
 // (vpermps: AVX-512 indexes 16 entries with the low 4 bits of a lane; AVX2 8 entries with the low
 // 3, the magnitude, and the sign is put back from bit 3): e2m1's 0.5 is then not the fp32
 // subnormal 2^-127, which Intel cores multiply through a microcode assist at 40-80x the cost.
-// (SSE4 and Arm keep the bit placement; Arm cores take subnormals at full speed.)
+// (SSE4 keeps the bit placement, lifted where subnormals are slow: DecodeLifted; Arm cores take
+// subnormals at full speed.)
 #if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL || HWY_TARGET == HWY_AVX2
 #define MJOLNIR_E2M1_LOOKUP 1
 template <std::size_t kJ, class DF, class VU>
@@ -283,16 +307,19 @@ struct DecodeE2M1 {
   }
 };
 
-struct DecodeNvfp4 {
+// kTrueElements: the e2m1 elements as true values (looked up, or lifted out of the subnormal
+// range by LiftToNormal: DecodeNvfp4Lifted), else as placed bits.
+template <bool kTrueElements>
+struct DecodeNvfp4Of {
   // value = e2m1 * block scale. The block scale (e4m3, one per 16 channels, after the D/2 code
   // bytes) is looked up times 2^64, so the exact product raw(e2m1) * scale * 2^64 =
   // value * 2^-62 is a normal fp32 for every non-zero code. One FMA per vector. A chunk of 2n
   // channels spans 2n / 16 scale blocks, and lane l of both its vectors comes from byte l, so
   // its scale vector holds each block's scale in n / (2n / 16) consecutive lanes: one block
   // (n = 8: AVX2) or two (n = 16: AVX-512).
-  // With the lookup (true values) the scales are true values too: the products are normal.
-  static constexpr int kScaleExp = MJOLNIR_E2M1_LOOKUP ? 0 : 64;
-  static constexpr int kRawExp = MJOLNIR_E2M1_LOOKUP ? 0 : -126 + kScaleExp;
+  // With true elements the scales are true values too: the products are normal.
+  static constexpr int kScaleExp = kTrueElements ? 0 : 64;
+  static constexpr int kRawExp = kTrueElements ? 0 : -126 + kScaleExp;
   static constexpr std::size_t kVectors = 2;
   using Tag = BlockFloatTag;
 
@@ -323,12 +350,18 @@ struct DecodeNvfp4 {
     // FMA, so the exact product is taken as x * scale + (-0), which is x * scale, signed zeros
     // included.
 #if MJOLNIR_E2M1_LOOKUP
+    static_assert(kTrueElements);
     return hn::Mul(E2M1Value<kJ>(df, bytes32), scale);
 #else
-    return hn::MulAdd(E2M1Nibble<kJ>(df, bytes32), scale, hn::Set(df, -0.0f));
+    if constexpr (kTrueElements) {
+      return hn::Mul(LiftToNormal<126>(df, E2M1Nibble<kJ>(df, bytes32)), scale);
+    } else {
+      return hn::MulAdd(E2M1Nibble<kJ>(df, bytes32), scale, hn::Set(df, -0.0f));
+    }
 #endif
   }
 };
+using DecodeNvfp4 = DecodeNvfp4Of<bool(MJOLNIR_E2M1_LOOKUP)>;
 
 // --- fp6 -----------------------------------------------------------------------------------------
 // Four codes in three bytes, the little-endian word c0 | c1<<6 | c2<<12 | c3<<18. A byte shuffle
@@ -533,6 +566,28 @@ using DecodeE3M2 = DecodeFp6<3>;
 #define MJOLNIR_FP6_HALF 0
 using DecodeE2M3 = DecodeFp6<2>;
 using DecodeE3M2 = DecodeFp6<3>;
+#endif
+
+// --- SSE4 on CPUs with slow subnormals ----------------------------------------------------------
+// SSE4 has neither F16C nor the AVX2 / AVX-512 permutes the decoders above use to stay out of the
+// subnormal range, so there every placed value goes through LiftToNormal: 8 ops more a vector,
+// against an Intel microcode assist for every FMA that meets a subnormal (fp4 and fp6 steps 100-250
+// times slower). The kernel takes these where fp32_subnormals_are_slow() (VisitKernelDecoder).
+#if HWY_TARGET == HWY_SSE4
+#define MJOLNIR_LIFTED_DECODERS 1
+// Dec's codes and channel order, as true values (kRawExp 0).
+template <class Dec>
+struct DecodeLifted : Dec {
+  static_assert(Dec::kRawExp < 0);
+  static constexpr int kRawExp = 0;
+  template <std::size_t kJ, class DF, class VR>
+  static HWY_INLINE hn::Vec<DF> Get(DF df, VR raw, hn::Vec<DF> aux) {
+    return LiftToNormal<-Dec::kRawExp>(df, Dec::template Get<kJ>(df, raw, aux));
+  }
+};
+using DecodeNvfp4Lifted = DecodeNvfp4Of<true>;
+#else
+#define MJOLNIR_LIFTED_DECODERS 0
 #endif
 
 // --- whole rows --------------------------------------------------------------------------------

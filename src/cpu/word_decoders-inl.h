@@ -308,14 +308,35 @@ HWY_INLINE decltype(auto) VisitKernelDecoder(Format format, std::size_t head_dim
 #elif !MJOLNIR_PORTABLE_TARGET
 #define MJOLNIR_BF16_WORDS 0
 
-// VisitDecoder's choice, except fp6 on AVX2 where the CPU's subnormal FMAs are slow: through fp16
-// (DecodeFp6Half), which never makes an fp32 subnormal.
+// VisitDecoder's choice, except where the CPU's subnormal FMAs are slow: then fp6 on AVX2 goes
+// through fp16 (DecodeFp6Half) and every placed format on SSE4 is lifted (DecodeLifted), which
+// never make an fp32 subnormal.
 template <class Visitor>
 HWY_INLINE decltype(auto) VisitKernelDecoder(Format format, std::size_t, Visitor&& visit) {
 #if MJOLNIR_FP6_HALF
   if (fp32_subnormals_are_slow()) {
     if (format == Format::fp6_e2m3) return visit.template operator()<DecodeFp6Half<2>>();
     if (format == Format::fp6_e3m2) return visit.template operator()<DecodeFp6Half<3>>();
+  }
+#elif MJOLNIR_LIFTED_DECODERS
+  if (fp32_subnormals_are_slow()) {
+    switch (format) {
+      case Format::fp8_e4m3:
+        return visit.template operator()<DecodeLifted<DecodeE4M3>>();
+      case Format::fp8_e5m2:
+        return visit.template operator()<DecodeLifted<DecodeE5M2>>();
+      case Format::fp6_e2m3:
+        return visit.template operator()<DecodeLifted<DecodeE2M3>>();
+      case Format::fp6_e3m2:
+        return visit.template operator()<DecodeLifted<DecodeE3M2>>();
+      case Format::fp4_e2m1:
+        return visit.template operator()<DecodeLifted<DecodeE2M1>>();
+      case Format::nvfp4:
+        return visit.template operator()<DecodeNvfp4Lifted>();
+      case Format::bf16:
+      case Format::fp16:
+        break;
+    }
   }
 #endif
   return VisitDecoder(format, visit);
