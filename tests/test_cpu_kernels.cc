@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "core/minifloat.h"
+#include "cpu/amx.h"
 #include "cpu/attention_kernel.h"
 #include "cpu/row_encoder.h"
 #include "cpu/subnormals.h"
@@ -512,6 +513,9 @@ TEST(CpuBf16Dot, MatchesEmulator) {
                  << ") or this CPU has no AVX512_BF16 / AVX512_VBMI dot products";
   }
   ASSERT_TRUE(cpu::bf16_dot_enabled()) << "MJOLNIR_CPU_BF16_DOT=0 turned the dot products off";
+  // On CPUs with AMX, Q . K would go on its tiles instead (CpuAmx below).
+  const bool amx = cpu::amx_enabled();
+  cpu::set_amx_enabled(false);
   const auto backend = make_backend("cpu", BackendOptions{.threads = 2});
   std::mt19937_64 rng(mjolnir::testing::test_seed() + 23);
   int index = 0;
@@ -549,6 +553,59 @@ TEST(CpuBf16Dot, MatchesEmulator) {
           EXPECT_GT(cpu::bf16_dot_items(), before) << c.name() << " did not run on them";
         } else {
           EXPECT_EQ(cpu::bf16_dot_items(), before) << c.name() << " ran on them";
+        }
+      }
+    }
+  }
+  cpu::set_amx_enabled(amx);
+}
+
+// Q . K on AMX tiles (where the dot products apply, nvfp4 aside, from 8 query rows) against the
+// emulator, over query rows that fill part of a column group, all of it and more than one (up to
+// 32), D of 1 to 4 pairs of 32-channel steps, tiles of 16 to 64 keys (one or two 16-key blocks
+// per pass) and sequences that end inside a block; each case must have run on the tiles, and the
+// rest not.
+TEST(CpuAmx, MatchesEmulator) {
+  if (!cpu::cpu_has_amx() || !cpu::cpu_has_bf16_dot()) {
+    GTEST_SKIP() << "this CPU (or the dispatched target, " << cpu::kernel_target()
+                 << ") has no AMX-BF16 tiles, or Linux did not grant them";
+  }
+  ASSERT_TRUE(cpu::amx_enabled()) << "MJOLNIR_CPU_AMX=0 turned the tiles off";
+  const auto backend = make_backend("cpu", BackendOptions{.threads = 2});
+  std::mt19937_64 rng(mjolnir::testing::test_seed() + 29);
+  int index = 0;
+  for (Format format : {Format::bf16, Format::fp8_e4m3, Format::fp8_e5m2, Format::fp6_e2m3,
+                        Format::fp6_e3m2, Format::fp4_e2m1, Format::nvfp4}) {
+    for (int mode = 0; mode < 4; ++mode) {  // bf16, fp8, fp32 with bf16 queries, plain fp32
+      const QMode q_mode = mode == 0 ? QMode::bf16 : mode == 1 ? QMode::fp8 : QMode::fp32;
+      for (const auto [g, q_len] : {std::pair{1, 1}, std::pair{4, 1}, std::pair{4, 4},
+                                    std::pair{8, 2}, std::pair{8, 3}, std::pair{16, 2}}) {
+        verify::Case c;
+        verify::ProblemSpec& s = c.spec;
+        s.format = format;
+        s.layout = kAllLayouts[index % 6];
+        s.page_size = 8 << (index % 4);
+        s.head_dim = 64 * (1 + index % 4);
+        s.group = g;
+        s.num_kv_heads = 1 + index % 2;
+        s.params.q_len = q_len;
+        s.params.causal = index % 2 == 0;
+        s.params.q_mode = q_mode;
+        s.params.p_mode = PMode::fp32;
+        s.bf16_queries = mode == 2;
+        s.granularity = ScaleGranularity(index % (mode >= 2 ? 2 : 3));
+        s.seed = rng();
+        c.tile_tokens = 16 << (index % 3);
+        c.splits = 1 + index % 2;
+        s.seq_lens = {q_len, 95, 301, s.page_size + 1};
+        ++index;
+        const std::uint64_t before = cpu::amx_items();
+        const verify::CaseResult r = verify::run_case(c, *backend);
+        EXPECT_NE(r.status, verify::CaseResult::Status::failed) << c.name() << ": " << r.message;
+        if (mode < 3 && format != Format::nvfp4 && g * q_len >= 8) {  // kAmxMinRows
+          EXPECT_GT(cpu::amx_items(), before) << c.name() << " did not run on the tiles";
+        } else {
+          EXPECT_EQ(cpu::amx_items(), before) << c.name() << " ran on the tiles";
         }
       }
     }

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "core/gpu_devices.h"
+#include "cpu/amx.h"
 #include "cpu/attention_kernel.h"
 #include "cpu/huge_pages.h"
 #include "cpu/read_bandwidth.h"
@@ -47,6 +48,11 @@ int run_info() {
               !cpu::cpu_has_bf16_dot()  ? "no (the dispatched target or the CPU lacks AVX512_BF16)"
               : cpu::bf16_dot_enabled() ? "yes"
                                         : "off (MJOLNIR_CPU_BF16_DOT=0)");
+  std::printf("AMX tiles (Q . K from 8 query rows, where the dot products apply): %s\n",
+              !cpu::cpu_has_amx() || !cpu::cpu_has_bf16_dot()
+                  ? "no (the CPU lacks AMX-BF16, or Linux did not grant the tile state)"
+              : cpu::amx_enabled() ? "yes"
+                                   : "off (MJOLNIR_CPU_AMX=0)");
   std::printf("fp32 subnormal FMAs: %s\n",
               cpu::fp32_subnormals_are_slow()
                   ? "slow (Intel, or MJOLNIR_CPU_AVOID_SUBNORMALS=1): decoders that avoid them"

@@ -27,6 +27,7 @@
 #define HWY_TARGET_INCLUDE "cpu/attention_kernel.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 // Must come after foreach_target.h.
+#include "cpu/amx_scores-inl.h"
 #include "cpu/bf16_dot-inl.h"
 #include "cpu/exact_scores-inl.h"
 #include "cpu/kernel_blocks-inl.h"
@@ -47,6 +48,7 @@
 #include <type_traits>
 
 #include "core/minifloat.h"
+#include "cpu/amx.h"
 #include "cpu/attention_kernel.h"
 #include "cpu/item_context.h"
 #include "cpu/tile_prefetcher.h"
@@ -101,7 +103,9 @@ enum Slot : int {
   kProbs,
   kAcc,
   kRowState,
-  kRowOffsets
+  kRowOffsets,
+  kQTiles,
+  kAmxBuffers
 };
 
 // --- KV row addressing and prefetch ----------------------------------------------------------
@@ -368,6 +372,7 @@ struct HeadState {
   float* q;                         // kernel-ready Q: [R][D] (fast) or [D][rows_padded] (exact)
   float kernel_scale;               // turns q . k as computed into log2-scaled scores
   bool dot;                         // Q . K on bf16 dot products (q: bf16 words)
+  std::uint16_t* q_tiles;           // Q . K on AMX tiles: Q's B tiles, else null
   float* acc;                       // [R][D] O accumulator, decoder channel order
   RowState state;                   // m, l, alpha: [R] each
   std::int64_t k_offset, v_offset;  // head's K and V rows from a token's base
@@ -391,8 +396,12 @@ void RunUnit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, in
   // Per head below: Q in fp32 mode takes them too where its values are bf16 values.
   const bool dot_format =
       !std::is_void_v<Dot> && !exact && bf16_dot_applies(geo.format, QMode::bf16, d);
+  // Where the dot products apply, Q . K goes on AMX tiles instead on CPUs that have them.
+  const bool amx_format =
+      dot_format && kAmxFormat<Dot> && rows >= kAmxMinRows && amx_enabled() && cpu_has_amx();
 #else
   constexpr bool dot_format = false;
+  constexpr bool amx_format = false;
 #endif
   const int tile =
       exact ? plan.tile_tokens : FastPathTile(plan.tile_tokens, heads, geo.row_bytes());
@@ -448,6 +457,7 @@ void RunUnit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, in
     std::fill(hs.acc, hs.acc + std::size_t(rows) * ld, 0.0f);
 
     const float score_scale = PrepareQuery(hs.it, qn);
+    hs.q_tiles = nullptr;
     hs.dot = dot_format &&
              (args.params.q_mode != QMode::fp32 || AllBf16Values(qn, std::size_t(rows) * d));
     if (hs.dot) {  // bf16 words in the dot decoder's channel order, true values
@@ -455,6 +465,15 @@ void RunUnit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, in
 #if MJOLNIR_BF16_DOT
       if constexpr (!std::is_void_v<Dot>) {
         PrepareDotQuery<Dot>(qn, rows, std::size_t(d), ld, reinterpret_cast<std::uint16_t*>(hs.q));
+        if (amx_format) {
+          const std::size_t words = AmxQueryWords(rows, std::size_t(d));
+          hs.q_tiles =
+              reinterpret_cast<std::uint16_t*>(scratch.floats(kQTiles, words / 2 * heads)) +
+              words * h;
+          PrepareAmxQuery(reinterpret_cast<const std::uint16_t*>(hs.q), 2 * ld, rows,
+                          std::size_t(d), hs.q_tiles);
+          count_amx_item();
+        }
       }
 #endif
       hs.kernel_scale = score_scale;
@@ -488,6 +507,14 @@ void RunUnit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, in
   float* keys = exact ? scratch.floats(kKeys, std::size_t(d)) : nullptr;
   float* keys_natural = exact ? scratch.floats(kKeysNatural, std::size_t(kSubTokens) * d) : nullptr;
   float* scores = scratch.floats(kScores, std::size_t(rows) * stride);
+#if MJOLNIR_AMX
+  float* amx_sums =
+      amx_format ? scratch.floats(kAmxBuffers, kAmxSumFloats + AmxKeyWords(std::size_t(d)) / 2)
+                 : nullptr;
+  std::uint16_t* amx_keys =
+      amx_format ? reinterpret_cast<std::uint16_t*>(amx_sums + kAmxSumFloats) : nullptr;
+  const AmxTiles amx_tiles(amx_format);
+#endif
   float* probs_all = scratch.floats(kProbs, std::size_t(rows) * stride * heads);
   // Token bases of this tile and the next, which is prefetched while this one computes.
   const std::uint8_t** bases = scratch.row_pointers(2 * std::size_t(tile));
@@ -528,7 +555,15 @@ void RunUnit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, in
       HeadState& hs = head_state[h];
       const ItemContext& it = hs.it;
       float* probs = probs_all + std::size_t(h) * rows * stride;
-      if (hs.dot) {
+      if (hs.q_tiles != nullptr) {
+#if MJOLNIR_AMX
+        if constexpr (kAmxFormat<Dot>) {
+          ScoresAmx<Dot>(hs.q_tiles, rows, std::size_t(d), bases, hs.k_offset, count,
+                         hs.kernel_scale, scores, stride, prefetcher, prefetch_rows, amx_keys,
+                         amx_sums);
+        }
+#endif
+      } else if (hs.dot) {
 #if MJOLNIR_BF16_DOT
         if constexpr (!std::is_void_v<Dot>) {
           ScoresDot<Dot>(reinterpret_cast<const std::uint16_t*>(hs.q), 2 * ld, rows, std::size_t(d),

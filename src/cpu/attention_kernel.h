@@ -65,7 +65,8 @@ void run_work_unit(const DecodeArgs& args, const Plan& plan, const WorkItem* ite
 // Q in fp32 mode whose values are all bf16 values (a bf16 model's queries, with per-tensor or
 // per-head K scales) is Q in bf16 mode, and takes them too. Enabled by default;
 // MJOLNIR_CPU_BF16_DOT=0 in the environment, or set_bf16_dot_enabled(false), keeps Q . K on
-// fp32 FMAs (tests and benchmarks compare the two).
+// fp32 FMAs (tests and benchmarks compare the two). On CPUs with AMX-BF16, steps of 8 query rows
+// or more take AMX tiles instead (cpu/amx.h, cpu/amx_scores-inl.h), nvfp4 aside.
 void set_bf16_dot_enabled(bool enabled);
 bool bf16_dot_enabled();
 // Whether steps of this format, Q mode and head size run Q . K on the dot products here (the

@@ -1,0 +1,217 @@
+// Q . K on AMX tiles for the CPU kernel (attention_kernel.cc), on Intel cores with AMX-BF16
+// (Sapphire Rapids and later). One TDPBF16PS multiplies a 16 x 32 bf16 tile by a 32 x 16 one
+// into 16 x 16 fp32 sums, 8192 multiply-adds, in about 16 cycles: a step's scores, 512
+// multiply-adds a key at g 4, would take a few percent of what the AVX-512 dot products take,
+// whose issue rate on these cores is half the FMAs' (docs/cpu-performance.md).
+//
+// The tiles compute S^T = K Q^T, so that K's rows go in as they are: A is 16 keys x 32 channels
+// of bf16 K words (decoded by the dot decoders of bf16_dot-inl.h into a small buffer, 32 keys at
+// a time), B is 32 channels x 16 query rows of Q in the pair-interleaved layout TDPBF16PS takes
+// (prepared once per work item), and C is 16 keys x 16 rows. Query rows beyond 16 take further
+// column groups; rows short of 16 leave B's columns zero, at no cost in time (a tile's time does
+// not depend on how many of its columns are used, so q_len 4 costs Q . K no more than q_len 1).
+// C is stored and its columns gathered into the kernel's score rows.
+//
+// Numerics are those of the dot products (bf16_dot-inl.h): every product of two bf16 values is
+// exact in fp32, the sums are fp32 in the tile's order, subnormal inputs and results are zero.
+// nvfp4 stays on the dot products (its block scales multiply each block's sum).
+//
+// Only the AVX3_DL target compiles it (it uses the word decoders). Per-target header, see
+// kv_decode-inl.h.
+
+#if defined(MJOLNIR_CPU_AMX_SCORES_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef MJOLNIR_CPU_AMX_SCORES_INL_H_
+#undef MJOLNIR_CPU_AMX_SCORES_INL_H_
+#else
+#define MJOLNIR_CPU_AMX_SCORES_INL_H_
+#endif
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+#include "cpu/bf16_dot-inl.h"
+#include "cpu/tile_prefetcher.h"
+#include "cpu/word_decoders-inl.h"
+#include "hwy/highway.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace mjolnir::cpu::HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+#undef MJOLNIR_AMX
+#if MJOLNIR_BF16_DOT
+#define MJOLNIR_AMX 1
+
+inline constexpr int kAmxRows = 16;          // query rows per column group (C's columns)
+inline constexpr int kAmxKeys = 32;          // keys per block: two C tiles of 16
+inline constexpr std::size_t kAmxStep = 32;  // channels per TDPBF16PS (A's columns)
+
+// Whether Q . K of a step in format `Dot` can go on AMX tiles.
+template <class Dot>
+inline constexpr bool kAmxFormat = !std::is_void_v<Dot> && !std::is_same_v<Dot, DotNvfp4>;
+// Query rows (g x q_len) from which it does. With 4 rows (g 4, q_len 1) the dot products were as
+// fast or faster from memory (mjolnir bench, 32k tokens, Q bf16, interleaved: fp8 10% and bf16 3%
+// faster, fp6 mixed, fp4 5% slower): the tiles' fixed cost per key (K stored, loaded as a tile,
+// the sums gathered back) is then about the dot products' whole work. From 8 rows on the tiles
+// win (fp8 2-10%, fp6 16-24%, fp4 33-38%, bf16 even) and at 16 by far (fp8 23-28%, fp6 28-33%,
+// fp4 39-40%, bf16 11-12%): docs/cpu-performance.md.
+inline constexpr int kAmxMinRows = 8;
+
+// Words of one head's B tiles: per column group and 32-channel step, 16 pairs x 16 rows x 2.
+inline std::size_t AmxQueryWords(int rows, std::size_t d) {
+  return std::size_t((rows + kAmxRows - 1) / kAmxRows) * (d / kAmxStep) * 16 * 32;
+}
+// Words of the key buffer (kAmxKeys rows of d words), then floats of the C buffer (2 x 16 x 16).
+inline std::size_t AmxKeyWords(std::size_t d) { return kAmxKeys * d; }
+inline constexpr std::size_t kAmxSumFloats = 2 * 16 * 16;
+
+// q_tiles from PrepareDotQuery's q_words ([rows][qs] bf16 words in Dot's channel order):
+// tile (group, step) word 32 p + 2 m + i = word 32 step + 2 p + i of query row 16 group + m,
+// zero past the last row.
+inline void PrepareAmxQuery(const std::uint16_t* HWY_RESTRICT q_words, std::size_t qs, int rows,
+                            std::size_t d, std::uint16_t* HWY_RESTRICT q_tiles) {
+  const int groups = (rows + kAmxRows - 1) / kAmxRows;
+  const std::size_t steps = d / kAmxStep;
+  for (int group = 0; group < groups; ++group) {
+    for (std::size_t step = 0; step < steps; ++step) {
+      std::uint16_t* tile = q_tiles + (std::size_t(group) * steps + step) * 16 * 32;
+      for (int p = 0; p < 16; ++p) {
+        for (int m = 0; m < kAmxRows; ++m) {
+          const int r = group * kAmxRows + m;
+          for (int i = 0; i < 2; ++i) {
+            tile[32 * p + 2 * m + i] =
+                r < rows ? q_words[std::size_t(r) * qs + kAmxStep * step + 2 * p + i] : 0;
+          }
+        }
+      }
+    }
+  }
+}
+
+HWY_PUSH_ATTRIBUTES("amx-tile,amx-bf16,avx512bf16")
+
+// The palette-1 tile configuration: tiles 0 and 1 hold C (16 keys x 16 fp32), 4 and 5 B, 2, 3, 6
+// and 7 A (16 keys x 32 bf16); every tile is 16 rows of 64 bytes.
+struct alignas(64) AmxTileConfig {
+  std::uint8_t palette = 1;
+  std::uint8_t start_row = 0;
+  std::uint8_t reserved[14] = {};
+  std::uint16_t bytes_per_row[16] = {64, 64, 64, 64, 64, 64, 64, 64};
+  std::uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
+};
+
+// Loading the configuration costs about what a tile of scores does, so a work unit loads it once
+// (AmxTiles) and releases the tile state at its end (a thread that holds it makes every context
+// switch save 8 KiB more).
+HWY_NOINLINE inline void ConfigureAmxTiles() {
+  static const AmxTileConfig config;
+  _tile_loadconfig(&config);
+}
+HWY_NOINLINE inline void ReleaseAmxTiles() { _tile_release(); }
+
+// scores[r][t] = scale * q_r . k_t for the count K rows at bases[t] + offset, as ScoresDot does
+// (bf16_dot-inl.h); q_tiles from PrepareAmxQuery, keys and sums: AmxKeyWords(d) words and
+// kAmxSumFloats floats of scratch, 64-byte aligned. Writes up to 15 scores past `count`, inside
+// each scores row's padding (the softmax overwrites them). The tiles must be configured
+// (AmxTiles).
+template <class Dot>
+HWY_NOINLINE void ScoresAmx(const std::uint16_t* HWY_RESTRICT q_tiles, int rows, std::size_t d,
+                            const std::uint8_t* const* bases, std::int64_t offset, int count,
+                            float scale, float* HWY_RESTRICT scores, std::size_t stride,
+                            TilePrefetcher& prefetch, int prefetch_per_key,
+                            std::uint16_t* HWY_RESTRICT keys, float* HWY_RESTRICT sums) {
+  const WideFloatTag df;
+  const WordTag dw;
+  const hn::RebindToSigned<WideFloatTag> di;
+  const auto column = hn::Mul(hn::Iota(di, 0), hn::Set(di, 16));  // C's column m, key by key
+  const auto vscale = hn::Set(df, scale);
+  const auto state = Dot::MakeState();
+  const int groups = (rows + kAmxRows - 1) / kAmxRows;
+  const std::size_t steps = d / kAmxStep;
+  const long key_bytes = long(d * sizeof(std::uint16_t));
+  for (int t0 = 0; t0 < count; t0 += kAmxKeys) {
+    const int n = count - t0 < kAmxKeys ? count - t0 : kAmxKeys;
+    for (int t = 0; t < n; ++t) {
+      // Spread over the keys: a block's prefetches at once would fill the line-fill buffers.
+      prefetch.Issue(prefetch_per_key);
+      const std::uint8_t* k = bases[t0 + t] + offset;
+      std::uint16_t* dst = keys + std::size_t(t) * d;
+      for (std::size_t c = 0; c < d / kDotChunk; ++c) {
+        Words x0, x1;
+        Dot::Decode(state, k, c, x0, x1);
+        hn::Store(x0, dw, dst + c * kDotChunk);
+        hn::Store(x1, dw, dst + c * kDotChunk + 32);
+      }
+    }
+    // Keys past n are zero: their sums land in scores past `count`, which the softmax
+    // overwrites.
+    if (n < kAmxKeys) std::fill(keys + std::size_t(n) * d, keys + kAmxKeys * d, std::uint16_t{0});
+    const bool second = n > 16;
+    for (int group = 0; group < groups; ++group) {
+      const std::uint16_t* q_group = q_tiles + std::size_t(group) * steps * 16 * 32;
+      _tile_zero(0);
+      if (second) _tile_zero(1);
+      // Even and odd steps load into different tiles (A: 6 and 7, or 2 and 3; B: 4 or 5), so a
+      // step's loads need not wait for the previous step's products to have read their tiles
+      // (tiles are not renamed). d is a multiple of 64: steps come in pairs.
+      for (std::size_t step = 0; step < steps; step += 2) {
+        const std::uint16_t* k0 = keys + step * kAmxStep;
+        const std::uint16_t* k1 = k0 + 16 * d;
+        _tile_loadd(4, q_group + step * 16 * 32, 64);
+        _tile_loadd(6, k0, key_bytes);
+        _tile_dpbf16ps(0, 6, 4);
+        if (second) {
+          _tile_loadd(7, k1, key_bytes);
+          _tile_dpbf16ps(1, 7, 4);
+        }
+        _tile_loadd(5, q_group + (step + 1) * 16 * 32, 64);
+        _tile_loadd(2, k0 + kAmxStep, key_bytes);
+        _tile_dpbf16ps(0, 2, 5);
+        if (second) {
+          _tile_loadd(3, k1 + kAmxStep, key_bytes);
+          _tile_dpbf16ps(1, 3, 5);
+        }
+      }
+      _tile_stored(0, sums, 64);
+      if (second) _tile_stored(1, sums + 256, 64);
+      const int group_rows =
+          rows - group * kAmxRows < kAmxRows ? rows - group * kAmxRows : kAmxRows;
+      for (int m = 0; m < group_rows; ++m) {
+        float* out = scores + std::size_t(group * kAmxRows + m) * stride + t0;
+        hn::StoreU(hn::Mul(hn::GatherIndex(df, sums + m, column), vscale), df, out);
+        if (second) {
+          hn::StoreU(hn::Mul(hn::GatherIndex(df, sums + 256 + m, column), vscale), df, out + 16);
+        }
+      }
+    }
+  }
+}
+
+HWY_POP_ATTRIBUTES
+
+// The tile configuration for the scope of a work unit, where `use`.
+class AmxTiles {
+ public:
+  explicit AmxTiles(bool use) : use_(use) {
+    if (use_) ConfigureAmxTiles();
+  }
+  ~AmxTiles() {
+    if (use_) ReleaseAmxTiles();
+  }
+  AmxTiles(const AmxTiles&) = delete;
+  AmxTiles& operator=(const AmxTiles&) = delete;
+
+ private:
+  bool use_;
+};
+
+#else
+#define MJOLNIR_AMX 0
+#endif  // MJOLNIR_BF16_DOT
+
+}  // namespace mjolnir::cpu::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#endif  // MJOLNIR_CPU_AMX_SCORES_INL_H_
