@@ -14,7 +14,7 @@
 //
 // Numerics are those of the dot products (bf16_dot-inl.h): every product of two bf16 values is
 // exact in fp32, the sums are fp32 in the tile's order, subnormal inputs and results are zero.
-// nvfp4 stays on the dot products (its block scales multiply each block's sum).
+// nvfp4's K values go in as e2m1 x block scale, exact in bf16 (ScaleNvfp4Words).
 //
 // Only the AVX3_DL target compiles it (it uses the word decoders). Per-target header, see
 // kv_decode-inl.h.
@@ -50,7 +50,7 @@ inline constexpr std::size_t kAmxStep = 32;  // channels per TDPBF16PS (A's colu
 
 // Whether Q . K of a step in format `Dot` can go on AMX tiles.
 template <class Dot>
-inline constexpr bool kAmxFormat = !std::is_void_v<Dot> && !std::is_same_v<Dot, DotNvfp4>;
+inline constexpr bool kAmxFormat = !std::is_void_v<Dot>;
 // Query rows (g x q_len) from which it does. With 4 rows (g 4, q_len 1) the dot products were as
 // fast or faster from memory (mjolnir bench, 32k tokens, Q bf16, interleaved: fp8 10% and bf16 3%
 // faster, fp6 mixed, fp4 5% slower): the tiles' fixed cost per key (K stored, loaded as a tile,
@@ -91,6 +91,31 @@ inline void PrepareAmxQuery(const std::uint16_t* HWY_RESTRICT q_words, std::size
 }
 
 HWY_PUSH_ATTRIBUTES("amx-tile,amx-bf16,avx512bf16")
+
+// nvfp4: the words of chunk c (DotE2M1's order: word w of either vector is in the chunk's block
+// w / 8) times their blocks' scales. A tile sums across blocks, so the scales cannot multiply
+// the sums as on the dot products; each product e2m1 x e4m3 has at most 6 significant bits and
+// lies in bf16's range, so it is exact in bf16, and so is the kernel's q x it in fp32.
+HWY_INLINE void ScaleNvfp4Words(hn::Vec<WideFloatTag> group_scales, std::size_t chunk, Words& x0,
+                                Words& x1) {
+  const WideFloatTag df;
+  const hn::RebindToSigned<WideFloatTag> di;
+  alignas(64) static constexpr std::int32_t kHalfBlocks[16] = {0, 0, 0, 0, 0, 0, 0, 0,
+                                                               1, 1, 1, 1, 1, 1, 1, 1};
+  const auto first =
+      hn::Add(hn::Load(di, kHalfBlocks), hn::Set(di, static_cast<std::int32_t>(4 * (chunk % 4))));
+  const auto low = hn::TableLookupLanes(group_scales, hn::IndicesFromVec(df, first));
+  const auto high =
+      hn::TableLookupLanes(group_scales, hn::IndicesFromVec(df, hn::Add(first, hn::Set(di, 2))));
+  for (Words* x : {&x0, &x1}) {
+    const __m512 lo = _mm512_mul_ps(
+        _mm512_cvtpbh_ps(reinterpret_cast<__m256bh>(_mm512_castsi512_si256(x->raw))), low.raw);
+    const __m512 hi = _mm512_mul_ps(
+        _mm512_cvtpbh_ps(reinterpret_cast<__m256bh>(_mm512_extracti64x4_epi64(x->raw, 1))),
+        high.raw);
+    x->raw = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
+  }
+}
 
 // The palette-1 tile configuration: tiles 0 and 1 hold C (16 keys x 16 fp32), 4 and 5 B, 2, 3, 6
 // and 7 A (16 keys x 32 bf16); every tile is 16 rows of 64 bytes.
@@ -133,20 +158,44 @@ HWY_NOINLINE void ScoresAmx(const std::uint16_t* HWY_RESTRICT q_tiles, int rows,
   const long key_bytes = long(d * sizeof(std::uint16_t));
   for (int t0 = 0; t0 < count; t0 += kAmxKeys) {
     const int n = count - t0 < kAmxKeys ? count - t0 : kAmxKeys;
+    // The A tiles' rows, per 16 keys: bf16 K rows straight from the cache where all 16 lie at one
+    // stride (the 16 tokens of one page, or of pages one after the other), else the buffer.
+    const std::uint16_t* a_rows[2] = {keys, keys + 16 * d};
+    long a_stride[2] = {key_bytes, key_bytes};
+    bool direct[2] = {false, false};
+    if constexpr (std::is_same_v<Dot, DotBf16>) {
+      for (int half = 0; half < 2 && n >= 16 * (half + 1); ++half) {
+        const std::uint8_t* const* b = bases + t0 + 16 * half;
+        const std::ptrdiff_t spacing = b[1] - b[0];
+        bool uniform = spacing > 0;
+        for (int i = 2; i < 16; ++i) uniform &= b[i] - b[0] == i * spacing;
+        if (uniform) {
+          direct[half] = true;
+          a_rows[half] = reinterpret_cast<const std::uint16_t*>(b[0] + offset);
+          a_stride[half] = long(spacing);
+        }
+      }
+    }
     for (int t = 0; t < n; ++t) {
       // Spread over the keys: a block's prefetches at once would fill the line-fill buffers.
       prefetch.Issue(prefetch_per_key);
+      if (direct[t / 16]) continue;
       const std::uint8_t* k = bases[t0 + t] + offset;
       std::uint16_t* dst = keys + std::size_t(t) * d;
+      [[maybe_unused]] hn::Vec<WideFloatTag> group_scales;
       for (std::size_t c = 0; c < d / kDotChunk; ++c) {
         Words x0, x1;
         Dot::Decode(state, k, c, x0, x1);
+        if constexpr (std::is_same_v<Dot, DotNvfp4>) {
+          if (c % 4 == 0) group_scales = Dot::GroupScales(k, c / 4, d);
+          ScaleNvfp4Words(group_scales, c, x0, x1);
+        }
         hn::Store(x0, dw, dst + c * kDotChunk);
         hn::Store(x1, dw, dst + c * kDotChunk + 32);
       }
     }
-    // Keys past n are zero: their sums land in scores past `count`, which the softmax
-    // overwrites.
+    // Keys past n are zero (never direct: a direct half has all 16): their sums land in scores
+    // past `count`, which the softmax overwrites.
     if (n < kAmxKeys) std::fill(keys + std::size_t(n) * d, keys + kAmxKeys * d, std::uint16_t{0});
     const bool second = n > 16;
     for (int group = 0; group < groups; ++group) {
@@ -157,20 +206,20 @@ HWY_NOINLINE void ScoresAmx(const std::uint16_t* HWY_RESTRICT q_tiles, int rows,
       // step's loads need not wait for the previous step's products to have read their tiles
       // (tiles are not renamed). d is a multiple of 64: steps come in pairs.
       for (std::size_t step = 0; step < steps; step += 2) {
-        const std::uint16_t* k0 = keys + step * kAmxStep;
-        const std::uint16_t* k1 = k0 + 16 * d;
+        const std::uint16_t* k0 = a_rows[0] + step * kAmxStep;
+        const std::uint16_t* k1 = a_rows[1] + step * kAmxStep;
         _tile_loadd(4, q_group + step * 16 * 32, 64);
-        _tile_loadd(6, k0, key_bytes);
+        _tile_loadd(6, k0, a_stride[0]);
         _tile_dpbf16ps(0, 6, 4);
         if (second) {
-          _tile_loadd(7, k1, key_bytes);
+          _tile_loadd(7, k1, a_stride[1]);
           _tile_dpbf16ps(1, 7, 4);
         }
         _tile_loadd(5, q_group + (step + 1) * 16 * 32, 64);
-        _tile_loadd(2, k0 + kAmxStep, key_bytes);
+        _tile_loadd(2, k0 + kAmxStep, a_stride[0]);
         _tile_dpbf16ps(0, 2, 5);
         if (second) {
-          _tile_loadd(3, k1 + kAmxStep, key_bytes);
+          _tile_loadd(3, k1 + kAmxStep, a_stride[1]);
           _tile_dpbf16ps(1, 3, 5);
         }
       }
