@@ -503,6 +503,46 @@ TEST_P(CpuKernelMatrix, AvoidingSubnormalsMatchesEmulator) {
   EXPECT_GT(cases, 0);
 }
 
+// The cases of the Q . K tests below: every format whose codes are bf16 values, in each Q mode
+// (mode 0 bf16, 1 fp8, 2 fp32 with bf16 queries, 3 plain fp32), for each (g, q_len), P in fp32,
+// with layouts, pages of 8 to 64 tokens, D 64 to 256, scale granularities, tiles of 16 to 64 keys
+// and splits varied case by case, and sequences that end inside a block. run(c, mode, g, q_len)
+// checks each one.
+template <class Run>
+void ForEachQkCase(std::uint64_t seed, std::initializer_list<std::pair<int, int>> shapes, Run run) {
+  std::mt19937_64 rng(seed);
+  int index = 0;
+  for (Format format : {Format::bf16, Format::fp8_e4m3, Format::fp8_e5m2, Format::fp6_e2m3,
+                        Format::fp6_e3m2, Format::fp4_e2m1, Format::nvfp4}) {
+    for (int mode = 0; mode < 4; ++mode) {
+      for (const auto [g, q_len] : shapes) {
+        verify::Case c;
+        verify::ProblemSpec& s = c.spec;
+        s.format = format;
+        s.layout = kAllLayouts[index % 6];
+        s.page_size = 8 << (index % 4);
+        s.head_dim = 64 * (1 + index % 4);
+        s.group = g;
+        s.num_kv_heads = 1 + index % 3;
+        s.params.q_len = q_len;
+        s.params.causal = index % 2 == 0;
+        s.params.q_mode = mode == 0 ? QMode::bf16 : mode == 1 ? QMode::fp8 : QMode::fp32;
+        s.params.p_mode = PMode::fp32;
+        s.bf16_queries = mode == 2;
+        // Per-channel K scales fold into Q before it is used, so fp32 queries stay bf16 values
+        // only with per-tensor or per-head scales.
+        s.granularity = ScaleGranularity(index % (mode >= 2 ? 2 : 3));
+        s.seed = rng();
+        c.tile_tokens = 16 << (index % 3);
+        c.splits = 1 + index % 2;
+        s.seq_lens = {q_len, 113, 301, s.page_size + 1};
+        ++index;
+        run(c, mode, g, q_len);
+      }
+    }
+  }
+}
+
 // Q . K on bf16 dot products (Q in bf16 or fp8 mode, or in fp32 mode with bf16 values; P in
 // fp32; every format whose codes are bf16 values) against the emulator, over group sizes, q_len
 // and D that exercise its 4-row blocks, leftover rows and key groups of fewer than 4; each case
@@ -517,35 +557,9 @@ TEST(CpuBf16Dot, MatchesEmulator) {
   const bool amx = cpu::amx_enabled();
   cpu::set_amx_enabled(false);
   const auto backend = make_backend("cpu", BackendOptions{.threads = 2});
-  std::mt19937_64 rng(mjolnir::testing::test_seed() + 23);
-  int index = 0;
-  for (Format format : {Format::bf16, Format::fp8_e4m3, Format::fp8_e5m2, Format::fp6_e2m3,
-                        Format::fp6_e3m2, Format::fp4_e2m1, Format::nvfp4}) {
-    for (int mode = 0; mode < 4; ++mode) {  // bf16, fp8, fp32 with bf16 queries, plain fp32
-      const QMode q_mode = mode == 0 ? QMode::bf16 : mode == 1 ? QMode::fp8 : QMode::fp32;
-      for (const auto [g, q_len] : {std::pair{1, 1}, std::pair{4, 1}, std::pair{8, 1},
-                                    std::pair{3, 2}, std::pair{4, 4}, std::pair{5, 3}}) {
-        verify::Case c;
-        verify::ProblemSpec& s = c.spec;
-        s.format = format;
-        s.layout = kAllLayouts[index % 6];
-        s.page_size = 8 << (index % 4);
-        s.head_dim = 64 * (1 + index % 4);
-        s.group = g;
-        s.num_kv_heads = 1 + index % 3;
-        s.params.q_len = q_len;
-        s.params.causal = index % 2 == 0;
-        s.params.q_mode = q_mode;
-        s.params.p_mode = PMode::fp32;
-        s.bf16_queries = mode == 2;
-        // Per-channel K scales fold into Q before it is used, so fp32 queries stay bf16 values
-        // only with per-tensor or per-head scales.
-        s.granularity = ScaleGranularity(index % (mode >= 2 ? 2 : 3));
-        s.seed = rng();
-        c.tile_tokens = 16 << (index % 3);
-        c.splits = 1 + index % 2;
-        s.seq_lens = {q_len, 113, 301, s.page_size + 1};
-        ++index;
+  ForEachQkCase(
+      mjolnir::testing::test_seed() + 23, {{1, 1}, {4, 1}, {8, 1}, {3, 2}, {4, 4}, {5, 3}},
+      [&](const verify::Case& c, int mode, int, int) {
         const std::uint64_t before = cpu::bf16_dot_items();
         const verify::CaseResult r = verify::run_case(c, *backend);
         EXPECT_NE(r.status, verify::CaseResult::Status::failed) << c.name() << ": " << r.message;
@@ -554,9 +568,7 @@ TEST(CpuBf16Dot, MatchesEmulator) {
         } else {
           EXPECT_EQ(cpu::bf16_dot_items(), before) << c.name() << " ran on them";
         }
-      }
-    }
-  }
+      });
   cpu::set_amx_enabled(amx);
 }
 
@@ -572,33 +584,9 @@ TEST(CpuAmx, MatchesEmulator) {
   }
   ASSERT_TRUE(cpu::amx_enabled()) << "MJOLNIR_CPU_AMX=0 turned the tiles off";
   const auto backend = make_backend("cpu", BackendOptions{.threads = 2});
-  std::mt19937_64 rng(mjolnir::testing::test_seed() + 29);
-  int index = 0;
-  for (Format format : {Format::bf16, Format::fp8_e4m3, Format::fp8_e5m2, Format::fp6_e2m3,
-                        Format::fp6_e3m2, Format::fp4_e2m1, Format::nvfp4}) {
-    for (int mode = 0; mode < 4; ++mode) {  // bf16, fp8, fp32 with bf16 queries, plain fp32
-      const QMode q_mode = mode == 0 ? QMode::bf16 : mode == 1 ? QMode::fp8 : QMode::fp32;
-      for (const auto [g, q_len] : {std::pair{1, 1}, std::pair{4, 1}, std::pair{4, 4},
-                                    std::pair{8, 2}, std::pair{8, 3}, std::pair{16, 2}}) {
-        verify::Case c;
-        verify::ProblemSpec& s = c.spec;
-        s.format = format;
-        s.layout = kAllLayouts[index % 6];
-        s.page_size = 8 << (index % 4);
-        s.head_dim = 64 * (1 + index % 4);
-        s.group = g;
-        s.num_kv_heads = 1 + index % 2;
-        s.params.q_len = q_len;
-        s.params.causal = index % 2 == 0;
-        s.params.q_mode = q_mode;
-        s.params.p_mode = PMode::fp32;
-        s.bf16_queries = mode == 2;
-        s.granularity = ScaleGranularity(index % (mode >= 2 ? 2 : 3));
-        s.seed = rng();
-        c.tile_tokens = 16 << (index % 3);
-        c.splits = 1 + index % 2;
-        s.seq_lens = {q_len, 95, 301, s.page_size + 1};
-        ++index;
+  ForEachQkCase(
+      mjolnir::testing::test_seed() + 29, {{1, 1}, {4, 1}, {4, 4}, {8, 2}, {8, 3}, {16, 2}},
+      [&](const verify::Case& c, int mode, int g, int q_len) {
         const std::uint64_t before = cpu::amx_items();
         const verify::CaseResult r = verify::run_case(c, *backend);
         EXPECT_NE(r.status, verify::CaseResult::Status::failed) << c.name() << ": " << r.message;
@@ -607,9 +595,7 @@ TEST(CpuAmx, MatchesEmulator) {
         } else {
           EXPECT_EQ(cpu::amx_items(), before) << c.name() << " ran on the tiles";
         }
-      }
-    }
-  }
+      });
 }
 
 // Every item's token range is covered exactly once by the units, and token parts merge back.
