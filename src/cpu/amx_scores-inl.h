@@ -1,8 +1,9 @@
 // Q . K on AMX tiles for the CPU kernel (attention_kernel.cc), on Intel cores with AMX-BF16
 // (Sapphire Rapids and later). One TDPBF16PS multiplies a 16 x 32 bf16 tile by a 32 x 16 one
-// into 16 x 16 fp32 sums, 8192 multiply-adds, in about 16 cycles: a step's scores, 512
-// multiply-adds a key at g 4, would take a few percent of what the AVX-512 dot products take,
-// whose issue rate on these cores is half the FMAs' (docs/cpu-performance.md).
+// into 16 x 16 fp32 sums, 8192 multiply-adds, in about 16 cycles, where the AVX-512 dot products
+// issue at half the FMAs' rate on these cores (docs/cpu-performance.md). What the tiles cost
+// around that (K stored and loaded as a tile, the sums gathered back) makes them pay from 8 query
+// rows on (kAmxMinRows).
 //
 // The tiles compute S^T = K Q^T, so that K's rows go in as they are: A is 16 keys x 32 channels
 // of bf16 K words (decoded by the dot decoders of bf16_dot-inl.h into a small buffer, 32 keys at
