@@ -397,8 +397,7 @@ void RunUnit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, in
   const bool dot_format =
       !std::is_void_v<Dot> && !exact && bf16_dot_applies(geo.format, QMode::bf16, d);
   // Where the dot products apply, Q . K goes on AMX tiles instead on CPUs that have them.
-  const bool amx_format =
-      dot_format && kAmxFormat<Dot> && rows >= kAmxMinRows && amx_enabled() && cpu_has_amx();
+  const bool amx_format = dot_format && rows >= kAmxMinRows && amx_enabled() && cpu_has_amx();
 #else
   constexpr bool dot_format = false;
   constexpr bool amx_format = false;
@@ -557,7 +556,7 @@ void RunUnit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, in
       float* probs = probs_all + std::size_t(h) * rows * stride;
       if (hs.q_tiles != nullptr) {
 #if MJOLNIR_AMX
-        if constexpr (kAmxFormat<Dot>) {
+        if constexpr (!std::is_void_v<Dot>) {
           ScoresAmx<Dot>(hs.q_tiles, rows, std::size_t(d), bases, hs.k_offset, count,
                          hs.kernel_scale, scores, stride, prefetcher, prefetch_rows, amx_keys,
                          amx_sums);
