@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <exception>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -11,22 +12,59 @@
 
 namespace mjolnir::tools {
 
-std::string cpu_model_name() {
+namespace {
+
+// The value of the first /proc/cpuinfo line whose key (the text before ':', trailing blanks
+// dropped) is `key`, or "".
+std::string cpuinfo_value(const std::string& key) {
   std::ifstream cpuinfo("/proc/cpuinfo");
   std::string line;
-  // x86 says "model name"; some Arm kernels only give "Hardware" or "CPU part".
-  for (const char* key : {"model name", "Hardware"}) {
-    cpuinfo.clear();
-    cpuinfo.seekg(0);
-    while (std::getline(cpuinfo, line)) {
-      if (line.rfind(key, 0) != 0) continue;
-      const auto colon = line.find(':');
-      if (colon == std::string::npos) continue;
-      const auto begin = line.find_first_not_of(" \t", colon + 1);
-      if (begin != std::string::npos) return line.substr(begin);
+  while (std::getline(cpuinfo, line)) {
+    const auto colon = line.find(':');
+    if (colon == std::string::npos) continue;
+    const auto key_end = line.find_last_not_of(" \t", colon == 0 ? 0 : colon - 1);
+    if (key_end == std::string::npos || line.compare(0, key_end + 1, key) != 0 ||
+        key_end + 1 != key.size()) {
+      continue;
+    }
+    const auto begin = line.find_first_not_of(" \t", colon + 1);
+    return begin == std::string::npos ? std::string() : line.substr(begin);
+  }
+  return "";
+}
+
+}  // namespace
+
+std::string amd_zen_generation(int family, int model) {
+  switch (family) {
+    case 0x17:
+      return model < 0x30 ? "Zen" : "Zen 2";
+    case 0x19: {
+      const bool zen4 = (model >= 0x10 && model <= 0x1F) || (model >= 0x60 && model <= 0x7F) ||
+                        (model >= 0xA0 && model <= 0xAF);
+      return zen4 ? "Zen 4" : "Zen 3";
+    }
+    case 0x1A:
+      return "Zen 5";
+    default:
+      return "";
+  }
+}
+
+std::string cpu_model_name() {
+  // x86 says "model name"; some Arm kernels only give "Hardware".
+  std::string name = cpuinfo_value("model name");
+  if (name.empty()) name = cpuinfo_value("Hardware");
+  if (name.empty()) return "unknown";
+  if (cpuinfo_value("vendor_id") == "AuthenticAMD") {
+    try {
+      const std::string zen = amd_zen_generation(std::stoi(cpuinfo_value("cpu family")),
+                                                 std::stoi(cpuinfo_value("model")));
+      if (!zen.empty()) name += " (" + zen + ")";
+    } catch (const std::exception&) {  // no family or model: the name alone
     }
   }
-  return "unknown";
+  return name;
 }
 
 int hardware_threads() {

@@ -8,7 +8,13 @@
 namespace mjolnir::tools {
 
 // The CPU's model name from /proc/cpuinfo ("AMD EPYC 9654 96-Core Processor"), or "unknown".
+// On AMD CPUs the Zen generation follows in parentheses ("AMD EPYC (Zen 4)"): virtual machines
+// often report just "AMD EPYC", and the bench's results files, named after the CPU, would
+// otherwise not tell (or would overwrite) one generation's sweep with another's.
 std::string cpu_model_name();
+// The Zen generation of an AMD CPU family and model (/proc/cpuinfo's "cpu family" and "model",
+// decimal there): "Zen" .. "Zen 5", or "" for a family before Zen or not known here.
+std::string amd_zen_generation(int family, int model);
 // Hardware threads this process may run on (at least 1).
 int hardware_threads();
 // MemAvailable from /proc/meminfo in bytes; 0 when it cannot be read.
