@@ -390,8 +390,8 @@ HWY_INLINE void ScoreBlock1x2(const float* HWY_RESTRICT q, std::size_t d, const 
 
 // acc + *p * x with *p broadcast to every lane. On AVX-512 the broadcast is the FMA's own memory
 // operand ({1to16}), done by the load unit: a separate vbroadcastss zmm costs Zen 4 a slot on the
-// vector pipes its decoders' shuffles use (a throwaway loop of 16 FMAs, 4 probabilities and one fp8
-// decode of 64 channels, ValueBlock4x4's step: 5.5 ns with 4 broadcasts, 4.8 with 16 embedded
+// vector pipes its decoders' shuffles use (bench/micro/vector_op_costs, ValueBlock4x4's step of
+// one fp8 decode of 64 channels and 16 FMAs: 5.5 ns with 4 broadcasts, 4.7 with 16 embedded
 // ones, 4.4 for the FMAs alone). GCC keeps a broadcast that several FMAs use in a register, so
 // the instruction is written out. kernel_rates on Zen 4, Q bf16, 7 interleaved rounds, medians:
 // steps of 8 rows (g 8, q_len 1) fp8 57 -> 49 ns per token-head, fp4 48 -> 43, bf16 unchanged;
