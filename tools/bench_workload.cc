@@ -25,6 +25,8 @@ constexpr double kSlowBackendTimeFactor = 10;
 // The accuracy check keeps every float of K and V: 32k tokens of 8 heads x 128 channels is
 // 256 MiB and a few seconds of fp64 work, which is plenty to measure a format's error.
 constexpr int kMaxErrorCheckTokens = 32768;
+// Each copy of the cache starts on a page of its own, as a separate allocation would.
+constexpr std::size_t kCopyAlignment = 4096;
 
 double seconds_since(Clock::time_point begin) {
   return std::chrono::duration<double>(Clock::now() - begin).count();
@@ -47,8 +49,12 @@ RotatingCaches::RotatingCaches(verify::ProblemSpec spec, std::size_t target_work
   const std::size_t pool = base.cache.bytes;
   std::fprintf(stderr, " %s in %.1f s\n", format_bytes(pool).c_str(), seconds_since(begin));
 
+  // The copies lie back to back in one allocation, each starting on a page of its own: one
+  // allocation per copy would round each up to a huge page, and a cache of a few hundred KiB
+  // (short contexts) would then take thousands of 2 MiB pages, many times the working set.
+  const std::size_t stride = (pool + kCopyAlignment - 1) / kCopyAlignment * kCopyAlignment;
   std::size_t copies = std::max<std::size_t>(1, (target_working_set_bytes + pool - 1) / pool);
-  copies = std::max<std::size_t>(1, std::min(copies, memory_limit_bytes / pool));
+  copies = std::max<std::size_t>(1, std::min(copies, memory_limit_bytes / stride));
   if (copies * pool < target_working_set_bytes) {
     std::fprintf(stderr,
                  "bench: warning: memory allows only %zu copies (%s), less than the %s working "
@@ -56,13 +62,14 @@ RotatingCaches::RotatingCaches(verify::ProblemSpec spec, std::size_t target_work
                  copies, format_bytes(copies * pool).c_str(),
                  format_bytes(target_working_set_bytes).c_str());
   }
-  // Every timed copy, the problem's own pool too, in memory that huge pages may back, as a
-  // serving engine's one large cache allocation would be (cpu/huge_pages.h).
+  // In memory that huge pages may back, as a serving engine's one large cache allocation would
+  // be (cpu/huge_pages.h).
+  storage_ = cpu::allocate_huge_page_buffer(copies * stride, "bench cache copies");
   for (std::size_t i = 0; i < copies; ++i) {
-    pools_.push_back(cpu::allocate_huge_page_buffer(pool, "bench cache copy"));
-    std::memcpy(pools_.back().get(), base.cache.data, pool);
+    std::byte* data = storage_.get() + i * stride;
+    std::memcpy(data, base.cache.data, pool);
     DecodeArgs copy = base;
-    copy.cache.data = pools_.back().get();
+    copy.cache.data = data;
     args_.push_back(copy);
   }
   if (copies > 1) {

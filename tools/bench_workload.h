@@ -15,8 +15,9 @@
 
 namespace mjolnir::tools {
 
-// One Problem plus byte copies of its pool, in buffers huge pages may back. Copy i is the same
-// cache at another address, read through the same block table, strides and scales.
+// One Problem plus byte copies of its pool, back to back in one buffer that huge pages may back.
+// Copy i is the same cache at another address, read through the same block table, strides and
+// scales.
 class RotatingCaches {
  public:
   // Builds the problem (keep_original_kv is turned off: the bench never needs the floats), then
@@ -34,8 +35,8 @@ class RotatingCaches {
 
  private:
   std::unique_ptr<verify::Problem> problem_;
-  std::vector<cpu::HugePageBuffer> pools_;  // [copies]
-  std::vector<DecodeArgs> args_;            // [copies]
+  cpu::HugePageBuffer storage_;   // the copies, back to back
+  std::vector<DecodeArgs> args_;  // [copies]
 };
 
 struct TimingOptions {

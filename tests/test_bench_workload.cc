@@ -1,0 +1,73 @@
+// The bench's rotating copies of a KV cache (tools/bench_workload.h): enough copies to outgrow
+// the last-level cache, each a page-aligned byte copy of the problem's pool, back to back, and
+// never more than the memory limit allows. Short contexts once took one 2 MiB huge page per copy
+// of a 32 KiB cache, 80 GiB for `mjolnir bench --context 16`, and were killed for memory.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "bench_workload.h"
+#include "test_seed.h"
+
+namespace mjolnir::tools {
+namespace {
+
+using testing::test_seed;
+
+constexpr std::size_t kKiB = 1024;
+constexpr std::size_t kMiB = kKiB * kKiB;
+
+verify::ProblemSpec SmallSpec(Format format, int head_dim) {
+  verify::ProblemSpec spec;
+  spec.format = format;
+  spec.head_dim = head_dim;
+  spec.seq_lens = {16};  // one page
+  spec.seed = test_seed();
+  return spec;
+}
+
+// Every copy holds the problem's bytes, starts on a page of its own, and follows the one before
+// at the pool's size rounded up to a page.
+void ExpectBackToBackCopies(const RotatingCaches& caches) {
+  const KvCacheView original = caches.problem().cache();
+  const std::size_t pool = caches.pool_bytes();
+  const std::size_t stride = (pool + 4 * kKiB - 1) / (4 * kKiB) * (4 * kKiB);
+  for (int i = 0; i < caches.copies(); ++i) {
+    const std::byte* data = caches.args(i).cache.data;
+    ASSERT_EQ(reinterpret_cast<std::uintptr_t>(data) % (4 * kKiB), 0u) << "copy " << i;
+    ASSERT_EQ(data, caches.args(0).cache.data + std::size_t(i) * stride) << "copy " << i;
+    ASSERT_EQ(std::memcmp(data, original.data, pool), 0) << "copy " << i;
+  }
+}
+
+TEST(RotatingCaches, SmallCachesFillTheWorkingSetBackToBack) {
+  // fp8, 16 tokens of 8 heads x 128 channels: a 32 KiB pool, a multiple of the page.
+  const RotatingCaches caches(SmallSpec(Format::fp8_e4m3, 128), 4 * kMiB, 64 * kMiB);
+  ASSERT_EQ(caches.pool_bytes(), 32 * kKiB);
+  EXPECT_EQ(caches.copies(), 128);
+  EXPECT_EQ(caches.working_set_bytes(), 4 * kMiB);
+  ExpectBackToBackCopies(caches);
+}
+
+TEST(RotatingCaches, PoolsThatAreNotWholePagesStartOnPages) {
+  // fp6, D 32: 24-byte rows, a 6 KiB pool, so each copy takes 8 KiB.
+  const RotatingCaches caches(SmallSpec(Format::fp6_e2m3, 32), 1 * kMiB, 64 * kMiB);
+  ASSERT_EQ(caches.pool_bytes(), 6 * kKiB);
+  EXPECT_EQ(caches.copies(), 171);  // 1 MiB / 6 KiB, rounded up: the bytes a rotation reads
+  EXPECT_GE(caches.working_set_bytes(), 1 * kMiB);
+  ExpectBackToBackCopies(caches);
+}
+
+TEST(RotatingCaches, TheMemoryLimitCapsTheCopies) {
+  const RotatingCaches caches(SmallSpec(Format::fp8_e4m3, 128), 64 * kMiB, 1 * kMiB);
+  EXPECT_EQ(caches.copies(), 32);  // 1 MiB / 32 KiB, not the 2048 the working set asks for
+  ExpectBackToBackCopies(caches);
+  // Below one copy's size the limit still leaves the one copy a step needs.
+  const RotatingCaches one(SmallSpec(Format::fp8_e4m3, 128), 64 * kMiB, 1 * kKiB);
+  EXPECT_EQ(one.copies(), 1);
+  ExpectBackToBackCopies(one);
+}
+
+}  // namespace
+}  // namespace mjolnir::tools
