@@ -85,21 +85,45 @@ struct DotDecoderOf<DecodeNvfp4> {
   using type = DotNvfp4;
 };
 
+// The channel order of Dot's two word vectors as vpermt2w indices into a chunk's words in
+// natural order (0..31 in the first source, 32..63 in the second): index[j][w] = Channel(j, w).
+template <class Dot>
+struct DotChannelIndex {
+  alignas(64) std::array<std::uint16_t, 32> index[2]{};
+  constexpr DotChannelIndex() {
+    for (std::size_t j = 0; j < 2; ++j) {
+      for (std::size_t w = 0; w < 32; ++w) {
+        index[j][w] = static_cast<std::uint16_t>(Dot::Channel(j, w));
+      }
+    }
+  }
+};
+
 // q_words [R][2 ld] (bf16 words in Dot's channel order) from qn [R][D] (natural order, every
-// value a bf16 value: Q in bf16 or fp8 mode).
+// value a bf16 value: Q in bf16 or fp8 mode). Per chunk of 64 channels: the floats' high halves
+// (their bf16 words, exactly), narrowed to words in natural order, then one two-source word
+// permute per vector. It runs for every head of every work unit, so at short contexts it is a
+// visible part of a step: the scalar loop it replaces took a third of a 16-token step's time.
 template <class Dot>
 void PrepareDotQuery(const float* HWY_RESTRICT qn, int rows, std::size_t d, std::size_t ld,
                      std::uint16_t* HWY_RESTRICT q_words) {
+  static constexpr DotChannelIndex<Dot> kOrder;
+  const WordTag dw;
+  const Words index0 = hn::Load(dw, kOrder.index[0].data());
+  const Words index1 = hn::Load(dw, kOrder.index[1].data());
+  const auto high_words = [](const float* x) HWY_ATTR {  // 16 floats' bf16 words
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_loadu_si512(x), 16));
+  };
   for (int r = 0; r < rows; ++r) {
     const float* src = qn + std::size_t(r) * d;
     std::uint16_t* dst = q_words + std::size_t(r) * 2 * ld;
     for (std::size_t c = 0; c < d; c += kDotChunk) {
-      for (std::size_t j = 0; j < 2; ++j) {
-        for (std::size_t w = 0; w < 32; ++w) {
-          const std::uint32_t bits = minifloat_detail::bits_from_float(src[c + Dot::Channel(j, w)]);
-          dst[c + 32 * j + w] = static_cast<std::uint16_t>(bits >> 16);
-        }
-      }
+      const __m512i natural0 = _mm512_inserti64x4(_mm512_castsi256_si512(high_words(src + c)),
+                                                  high_words(src + c + 16), 1);
+      const __m512i natural1 = _mm512_inserti64x4(_mm512_castsi256_si512(high_words(src + c + 32)),
+                                                  high_words(src + c + 48), 1);
+      hn::Store(Words{_mm512_permutex2var_epi16(natural0, index0.raw, natural1)}, dw, dst + c);
+      hn::Store(Words{_mm512_permutex2var_epi16(natural0, index1.raw, natural1)}, dw, dst + c + 32);
     }
   }
 }
