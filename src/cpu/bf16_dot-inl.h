@@ -30,7 +30,6 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "core/minifloat.h"
 #include "cpu/kernel_blocks-inl.h"
 #include "cpu/kv_decode-inl.h"
 #include "cpu/tile_prefetcher.h"
@@ -102,8 +101,8 @@ struct DotChannelIndex {
 // q_words [R][2 ld] (bf16 words in Dot's channel order) from qn [R][D] (natural order, every
 // value a bf16 value: Q in bf16 or fp8 mode). Per chunk of 64 channels: the floats' high halves
 // (their bf16 words, exactly), narrowed to words in natural order, then one two-source word
-// permute per vector. It runs for every head of every work unit, so at short contexts it is a
-// visible part of a step: the scalar loop it replaces took a third of a 16-token step's time.
+// permute per vector. It runs for every head of every work unit, so at short contexts its cost
+// is a visible part of a step (a scalar loop was a third of a 16-token step on Zen 4).
 template <class Dot>
 void PrepareDotQuery(const float* HWY_RESTRICT qn, int rows, std::size_t d, std::size_t ld,
                      std::uint16_t* HWY_RESTRICT q_words) {
