@@ -55,6 +55,29 @@ TEST(DecodeValidation, QLenOutOfRange) {
   expect_rejected([](DecodeArgs& a) { a.params.q_len = 9; }, "q_len");
 }
 
+TEST(DecodeValidation, RaggedQueryStart) {
+  static std::vector<std::int32_t> query_start;
+  // The problem's q, o and lse hold its decode step's 2 x 2 query rows.
+  const auto ragged = [](DecodeArgs& a, std::vector<std::int32_t> starts) {
+    query_start = std::move(starts);
+    a.batch.query_start = query_start;
+    a.params.q_len = 0;
+  };
+  expect_rejected([&](DecodeArgs& a) { ragged(a, {0, 3}); }, "query_start: 2 entries");
+  expect_rejected([&](DecodeArgs& a) { ragged(a, {1, 3, 4}); }, "query_start[0]");
+  expect_rejected([&](DecodeArgs& a) { ragged(a, {0, 3, 2}); }, "query_start[2]");
+  // Sequence 1 holds 5 tokens: 6 query tokens cannot all be in its cache.
+  expect_rejected([&](DecodeArgs& a) { ragged(a, {0, 1, 7}); }, "query_start: sequence 1");
+  expect_rejected(
+      [&](DecodeArgs& a) {
+        ragged(a, {0, 1, 3});
+        a.params.q_len = 2;
+      },
+      "q_len: 2 with batch.query_start");
+  // More rows than the lse span holds (2 x 2 rows x 4 heads).
+  expect_rejected([&](DecodeArgs& a) { ragged(a, {0, 3, 5}); }, "lse:");
+}
+
 TEST(DecodeValidation, HeadsNotAMultipleOfKvHeads) {
   expect_rejected([](DecodeArgs& a) { a.params.num_q_heads = 3; }, "num_q_heads");
 }

@@ -2,7 +2,9 @@
 // multiples, splits capped, padding free, capacity enforced.
 #include <gtest/gtest.h>
 
+#include <array>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "mjolnir/error.h"
@@ -154,6 +156,120 @@ TEST(Plan, MaxSplitsToFillOneWave) {
   EXPECT_THROW(max_splits_to_fill(0, 1, 8), Error);
   EXPECT_THROW(max_splits_to_fill(8, -1, 8), Error);
   EXPECT_THROW(max_splits_to_fill(8, 1, 0), Error);
+}
+
+// A ragged step (prefill, chunked prefill and decodes in one batch): every query token of
+// every sequence is in exactly one query tile of at most kMaxQLen tokens, in order, and each
+// tile's items cover, once per KV head, exactly the KV tokens its last query token may see.
+TEST(Plan, RaggedStepsCoverEveryQueryTokenAndWhatItSees) {
+  std::mt19937_64 rng(testing::test_seed() + 11);
+  for (int trial = 0; trial < 300; ++trial) {
+    SCOPED_TRACE("trial " + std::to_string(trial));
+    const int num_seqs = 1 + rng() % 6;
+    const int hk = 1 + rng() % 4;
+    const bool causal = rng() % 4 != 0;
+    std::vector<std::int32_t> lens(num_seqs), query_start{0};
+    for (auto& len : lens) {
+      len = rng() % 6 == 0 ? 0 : 1 + rng() % 700;
+      const int queries = len == 0 ? 0 : std::array{1, len, int(1 + rng() % len)}[rng() % 3];
+      query_start.push_back(query_start.back() + queries);
+    }
+    PlanOptions options;
+    options.workers = 1 + rng() % 64;
+    options.max_splits = 1 + rng() % 8;
+    options.tile_tokens = 1 << (3 + rng() % 4);
+    options.min_chunk_tokens = 1 + rng() % 128;
+    const StepShape step{lens, query_start, 0, hk, causal};
+    const PlanCapacity exact = capacity_for(step, options);
+    EXPECT_EQ(exact.max_query_tiles, query_tiles_needed(query_start));
+    Plan plan(exact);
+    make_plan(plan, step, options);
+    EXPECT_TRUE(plan.ragged);
+    EXPECT_EQ(plan.q_len, kMaxQLen);
+    EXPECT_EQ(plan.num_query_tiles, exact.max_query_tiles);
+    EXPECT_EQ(plan.num_partials, exact.max_partials) << "capacity_for is not the plan's own";
+
+    std::vector<int> seen_queries(num_seqs, 0);
+    for (int i = 0; i < plan.num_query_tiles; ++i) {
+      const QueryTile& qt = plan.query_tiles[i];
+      ASSERT_GE(qt.seq, 0);
+      ASSERT_LT(qt.seq, num_seqs);
+      EXPECT_EQ(qt.q_begin, seen_queries[qt.seq]) << "tile " << i << " out of order";
+      EXPECT_GE(qt.q_count, 1);
+      EXPECT_LE(qt.q_count, kMaxQLen);
+      seen_queries[qt.seq] += qt.q_count;
+      const int queries = query_start[qt.seq + 1] - query_start[qt.seq];
+      // What the tile's last query token sees: the cache up to and including itself.
+      EXPECT_EQ(qt.kv_len,
+                causal ? lens[qt.seq] - queries + qt.q_begin + qt.q_count : lens[qt.seq]);
+      std::vector<std::vector<int>> hits(hk, std::vector<int>(qt.kv_len, 0));
+      for (const WorkItem& item : plan.work()) {
+        if (item.tile != i) continue;
+        EXPECT_EQ(item.seq, qt.seq);
+        EXPECT_EQ(item.q_begin, qt.q_begin);
+        EXPECT_EQ(item.q_count, qt.q_count);
+        ASSERT_LE(item.kv_end, qt.kv_len);
+        EXPECT_EQ(item.kv_begin % options.tile_tokens, 0);
+        EXPECT_LT(item.split, plan.num_splits[i]);
+        if (plan.num_splits[i] > 1) {
+          EXPECT_EQ(item.partial_slot, plan.first_partial[i] + item.split);
+          EXPECT_LT(item.partial_slot, plan.partial_slots());
+        } else {
+          EXPECT_EQ(item.partial_slot, -1);
+        }
+        for (int t = item.kv_begin; t < item.kv_end; ++t) ++hits[item.kv_head][t];
+      }
+      for (int h = 0; h < hk; ++h) {
+        for (int t = 0; t < qt.kv_len; ++t)
+          ASSERT_EQ(hits[h][t], 1) << "tile " << i << " head " << h;
+      }
+    }
+    for (int b = 0; b < num_seqs; ++b) {
+      EXPECT_EQ(seen_queries[b], query_start[b + 1] - query_start[b]) << "sequence " << b;
+    }
+    if (HasFatalFailure()) return;
+  }
+}
+
+// A 6000-token prompt on two threads: 750 tiles of 8 query tokens, none split, and a capacity
+// that reserves no partial slots (a default one would hold 750 x 16 of them: gigabytes).
+TEST(Plan, APromptIsCutIntoQueryTilesWithoutSplits) {
+  const std::vector<std::int32_t> lens{6000}, query_start{0, 6000};
+  const StepShape step{lens, query_start, 0, 8, true};
+  const PlanOptions options{.workers = 2};
+  const PlanCapacity capacity = capacity_for(step, options);
+  EXPECT_EQ(capacity.max_query_tiles, 750);
+  EXPECT_EQ(capacity.max_splits, 1);
+  EXPECT_EQ(capacity.partial_slots(), 0);
+  Plan plan(capacity);
+  make_plan(plan, step, options);
+  EXPECT_EQ(plan.num_items, 750 * 8);
+  EXPECT_EQ(plan.query_tiles[0].kv_len, 8);
+  EXPECT_EQ(plan.query_tiles[749].kv_len, 6000);
+}
+
+TEST(Plan, RejectsABadQueryStart) {
+  const std::vector<std::int32_t> lens{10, 10};
+  const auto rejects = [&](std::vector<std::int32_t> query_start, int q_len,
+                           const std::string& names) {
+    const StepShape step{lens, query_start, q_len, 2, true};
+    try {
+      Plan plan(PlanCapacity{2, 2, 4, 8});
+      make_plan(plan, step, {});
+      ADD_FAILURE() << "no error; expected one naming " << names;
+    } catch (const Error& e) {
+      EXPECT_TRUE(std::string(e.what()).starts_with(names)) << e.what();
+    }
+  };
+  rejects({0, 3}, 0, "query_start:");        // one entry short
+  rejects({1, 3, 5}, 0, "query_start[0]:");  // not from 0
+  rejects({0, 4, 2}, 0, "query_start[2]:");  // decreasing
+  rejects({0, 11, 12}, 0, "query_start:");   // more query tokens than the sequence holds
+  rejects({0, 3, 5}, 2, "q_len:");           // a ragged step has q_len 0
+  Plan small(PlanCapacity{2, 2, 4, 1});      // room for one query tile, the step needs 3
+  const std::vector<std::int32_t> query_start{0, 9, 10};
+  EXPECT_THROW(make_plan(small, StepShape{lens, query_start, 0, 2, true}, {}), Error);
+  EXPECT_THROW(query_tiles_needed({}), Error);
 }
 
 TEST(Plan, RejectsWhatDoesNotFit) {

@@ -80,9 +80,12 @@ struct KvCacheView {
  private:
   float scale_at(std::span<const float> s, int head, int channel) const {
     switch (granularity) {
-      case ScaleGranularity::tensor: return s[0];
-      case ScaleGranularity::head: return s[head];
-      case ScaleGranularity::channel: return s[head * geometry.head_dim + channel];
+      case ScaleGranularity::tensor:
+        return s[0];
+      case ScaleGranularity::head:
+        return s[head];
+      case ScaleGranularity::channel:
+        return s[head * geometry.head_dim + channel];
     }
     return 1.0f;
   }
@@ -98,7 +101,11 @@ void validate(const KvCacheView& cache);
 struct PagedBatch {
   std::span<const std::int32_t> block_table;  // [num_seqs, max_pages_per_seq], row-major
   int max_pages_per_seq = 0;
-  std::span<const std::int32_t> seq_lens;  // [num_seqs]: KV tokens, the q_len new ones included
+  std::span<const std::int32_t> seq_lens;  // [num_seqs]: KV tokens, the new ones included
+  // Optional [num_seqs + 1], nondecreasing from 0, for a ragged step (q_len 0): sequence b's
+  // query tokens are rows [query_start[b], query_start[b + 1]) of q and o, at most seq_lens[b]
+  // of them (vLLM's query_start_loc). Empty: q_len query tokens per sequence.
+  std::span<const std::int32_t> query_start;
   int num_seqs() const { return static_cast<int>(seq_lens.size()); }
   std::int32_t page(int seq, int page_index) const {
     return block_table[static_cast<std::size_t>(seq) * max_pages_per_seq + page_index];
@@ -106,7 +113,9 @@ struct PagedBatch {
 };
 
 // Checks the table shape, every used entry inside [0, cache.num_pages), and
-// q_len <= seq_len <= max_pages_per_seq * page_size (seq_len 0 = padding request).
+// q_len <= seq_len <= max_pages_per_seq * page_size (seq_len 0 = padding request); with
+// q_len 0, query_start (num_seqs + 1 entries from 0, nondecreasing, at most seq_len query
+// tokens per sequence).
 void validate(const PagedBatch& batch, const CacheGeometry& cache, int q_len);
 
 }  // namespace mjolnir

@@ -25,19 +25,24 @@ QMode parse_q_mode(std::string_view name);
 PMode parse_p_mode(std::string_view name);
 
 struct DecodeParams {
-  int q_len = 1;            // query tokens per sequence, 1..8 (1 + speculative tokens)
-  int num_q_heads = 0;      // Hq, a multiple of the cache's Hk
-  bool causal = true;       // token t sees KV [0, seq_len - q_len + t]; false: [0, seq_len)
+  // Query tokens per sequence, 1..kMaxQLen (1 + speculative tokens). 0: a ragged step, any
+  // number per sequence, from batch.query_start (prefill, chunked prefill, mixed lengths).
+  int q_len = 1;
+  int num_q_heads = 0;  // Hq, a multiple of the cache's Hk
+  // Query token t of a sequence with n query tokens sees KV [0, seq_len - n + t]; false: all of
+  // [0, seq_len).
+  bool causal = true;
   float softmax_scale = 0;  // 0: 1 / sqrt(D)
   QMode q_mode = QMode::fp32;
   PMode p_mode = PMode::fp32;
 
   float effective_softmax_scale(int head_dim) const;
+  // Query tokens of one work item at most: q_len, or kMaxQLen for a ragged step.
+  int item_q_len() const { return q_len > 0 ? q_len : kMaxQLen; }
 };
 
-inline constexpr int kMaxQLen = 8;
-
-// Query rows [num_seqs * q_len, Hq, D] in float32 (token row b * q_len + t), D contiguous.
+// Query rows [query tokens, Hq, D] in float32, D contiguous: row b * q_len + t holds token t of
+// sequence b (query_start[b] + t in a ragged step; DecodeArgs::query_row).
 struct QueryTensor {
   const float* data = nullptr;
   std::int64_t token_stride = 0;  // elements
@@ -57,9 +62,46 @@ struct DecodeArgs {
   DecodeParams params;
   QueryTensor q;
   OutputTensor o;
-  // Optional [num_seqs * q_len, Hq] natural-log LSE of the scaled scores (-inf for empty rows).
+  // Optional [query tokens, Hq] natural-log LSE of the scaled scores (-inf for empty rows).
   std::span<float> lse;
+
+  // What a plan is made from: the sequences' KV lengths and query tokens.
+  StepShape step_shape() const {
+    return StepShape{batch.seq_lens, batch.query_start, params.q_len, cache.geometry.num_kv_heads,
+                     params.causal};
+  }
+  // Query tokens of sequence `seq`, and the row of q, o and lse that holds its token t.
+  int query_len(int seq) const { return step_shape().query_len(seq); }
+  std::int64_t query_row(int seq, int t) const {
+    return (batch.query_start.empty() ? std::int64_t(seq) * params.q_len
+                                      : std::int64_t(batch.query_start[seq])) +
+           t;
+  }
+  // Rows of q, o and lse: num_seqs * q_len, or query_start[num_seqs].
+  std::int64_t num_query_rows() const {
+    return batch.query_start.empty() ? std::int64_t(batch.num_seqs()) * params.q_len
+                                     : std::int64_t(batch.query_start.back());
+  }
+  // Query row r = t * g + j of `item` (token q_begin + t of its sequence, head j of its KV
+  // head's group): its row of q and o, and its LSE entry (null when lse is not wanted).
+  const float* q_row(const WorkItem& item, int r, int g) const {
+    return q.data + query_row(item.seq, item.q_begin + r / g) * q.token_stride +
+           std::int64_t(item.kv_head * g + r % g) * q.head_stride;
+  }
+  float* o_row(const WorkItem& item, int r, int g) const {
+    return o.data + query_row(item.seq, item.q_begin + r / g) * o.token_stride +
+           std::int64_t(item.kv_head * g + r % g) * o.head_stride;
+  }
+  float* lse_at(const WorkItem& item, int r, int g) const {
+    if (lse.empty()) return nullptr;
+    return &lse[query_row(item.seq, item.q_begin + r / g) * params.num_q_heads + item.kv_head * g +
+                r % g];
+  }
 };
+
+// Where a backend keeps the split partials of a step with these parameters: rows of
+// item_q_len() * g query rows per (slot, KV head).
+PartialLayout partial_layout(const CacheGeometry& geometry, const DecodeParams& params);
 
 // Checks every argument (cache, batch, q_len, heads, tensors) and throws Error naming the first
 // bad one. Backends call it; it is public so callers can validate once up front.

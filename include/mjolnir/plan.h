@@ -7,17 +7,37 @@
 
 namespace mjolnir {
 
-// One unit of work: the q_len * g query rows of one (sequence, KV head) against KV tokens
-// [kv_begin, kv_end). Each KV row of the range is read once for all of those query rows.
+// Most query tokens one work item holds: a decode step's q_len, or a query tile of a ragged
+// step (prefill, chunked prefill, mixed query lengths).
+inline constexpr int kMaxQLen = 8;
+
+// One unit of work: the q_count * g query rows of one (sequence, KV head), query tokens
+// [q_begin, q_begin + q_count) of the sequence, against KV tokens [kv_begin, kv_end). Each KV row
+// of the range is read once for all of those query rows.
 struct WorkItem {
   std::int32_t seq = 0;
   std::int32_t kv_head = 0;
   std::int32_t kv_begin = 0;
   std::int32_t kv_end = 0;
-  std::int32_t split = 0;  // chunk index within the sequence, 0..num_splits(seq)-1
-  // -1: the sequence is not split and the item writes the final output and LSE directly;
+  std::int32_t split = 0;  // chunk index within the query tile, 0..num_splits[tile]-1
+  // -1: the query tile is not split and the item writes the final output and LSE directly;
   // otherwise the partial slot this item's normalized O and LSE go to (see PartialLayout).
   std::int32_t partial_slot = -1;
+  // The item's query tile: tokens [q_begin, q_begin + q_count) of the sequence's query tokens
+  // (a decode step: 0 and q_len). Row r = t * g + j of the item is token q_begin + t, head j of
+  // the group.
+  std::int32_t q_begin = 0;
+  std::int32_t q_count = 1;
+  std::int32_t tile = 0;  // index of the query tile in Plan::query_tiles
+};
+
+// Query tokens [q_begin, q_begin + q_count) of sequence `seq`, with the KV tokens they may see:
+// [0, kv_len) for the last of them (causal), or all of the sequence's (non-causal).
+struct QueryTile {
+  std::int32_t seq = 0;
+  std::int32_t q_begin = 0;
+  std::int32_t q_count = 1;
+  std::int32_t kv_len = 0;
 };
 
 struct PlanOptions {
@@ -34,31 +54,81 @@ struct PlanCapacity {
   int max_seqs = 0;
   int num_kv_heads = 0;
   int max_splits = 16;
+  // Query tiles (one per sequence in a decode step; query_tiles_needed() for a ragged one).
+  // 0: max_seqs.
+  int max_query_tiles = 0;
+  // Split partial slots the workspace holds; -1: max_query_tiles * max_splits, as many as any
+  // plan of the capacity can use (what a captured CUDA graph needs).
+  int max_partials = -1;
+
+  int query_tiles() const { return max_query_tiles > 0 ? max_query_tiles : max_seqs; }
+  int partial_slots() const {
+    return max_partials >= 0 ? max_partials : query_tiles() * max_splits;
+  }
 };
 
-// A plan in fixed-capacity buffers. `items` and the per-sequence arrays are sized once from the
+// The shape of one step, all a plan depends on: each sequence's KV length and query tokens.
+struct StepShape {
+  std::span<const std::int32_t> seq_lens;  // [num_seqs]: KV tokens, the new ones included
+  // Optional [num_seqs + 1], nondecreasing from 0: sequence b's query tokens are rows
+  // [query_start[b], query_start[b + 1]) of the step (vLLM's query_start_loc). Empty: q_len each.
+  std::span<const std::int32_t> query_start;
+  int q_len = 1;  // query tokens of every sequence, 1..kMaxQLen; 0 when query_start is given
+  int num_kv_heads = 0;
+  bool causal = true;  // the last query token sees every KV token, token t one fewer per step
+  int num_seqs() const { return static_cast<int>(seq_lens.size()); }
+  // Query tokens of sequence `seq` in this step.
+  int query_len(int seq) const {
+    return query_start.empty() ? q_len : query_start[seq + 1] - query_start[seq];
+  }
+};
+
+// A plan in fixed-capacity buffers. `items` and the per-tile arrays are sized once from the
 // capacity; make_plan() refills them and sets the counts.
 struct Plan {
   PlanCapacity capacity;
   int tile_tokens = 64;
+  // Query tokens per work item, at most: the step's q_len, or kMaxQLen for a ragged step (so
+  // rows of split partials are q_len * g apart, PartialLayout).
   int q_len = 1;
+  bool ragged = false;  // made for a step with query_start
   int num_seqs = 0;
+  int num_query_tiles = 0;      // valid prefix of `query_tiles`, num_splits and first_partial
   int num_items = 0;            // valid prefix of `items`
-  int num_partials = 0;         // partial slots in use: one per chunk of each split sequence
-  std::vector<WorkItem> items;  // [max_seqs * Hk * max_splits]
-  std::vector<std::int32_t> num_splits;     // [max_seqs]: 1 when not split
-  std::vector<std::int32_t> first_partial;  // [max_seqs]: slot of chunk 0, -1 when not split
+  int num_partials = 0;         // partial slots in use: one per chunk of each split query tile
+  std::vector<WorkItem> items;  // [max_query_tiles * Hk * max_splits]
+  // Per query tile: in a decode step tile b is sequence b, all its q_len query tokens.
+  std::vector<QueryTile> query_tiles;       // [max_query_tiles]
+  std::vector<std::int32_t> num_splits;     // [max_query_tiles]: 1 when not split
+  std::vector<std::int32_t> first_partial;  // [max_query_tiles]: slot of chunk 0, -1 if not split
 
   explicit Plan(PlanCapacity cap = {});
   std::span<const WorkItem> work() const { return {items.data(), std::size_t(num_items)}; }
+  // Partial slots the capacity reserves (PlanCapacity::partial_slots).
+  int partial_slots() const { return capacity.partial_slots(); }
 };
 
-// Cuts the step into work items. Every (sequence, KV head, KV token) is covered exactly once;
-// padding requests (seq_len 0) get one empty item per KV head, which writes O = 0 and
-// LSE = -inf and reads nothing. Chunk bounds are multiples of options.tile_tokens. Throws Error
-// when the step does not fit the plan's capacity or an argument is out of range.
+// Cuts the step into work items. A ragged step's sequences are cut into query tiles of at most
+// kMaxQLen tokens (a decode step has one per sequence); every (query tile, KV head, visible KV
+// token) is covered exactly once. Padding requests (seq_len 0 in a decode step) get one empty
+// item per KV head, which writes O = 0 and LSE = -inf and reads nothing. Chunk bounds are
+// multiples of options.tile_tokens. Throws Error when the step does not fit the plan's capacity
+// or an argument is out of range.
+void make_plan(Plan& plan, const StepShape& step, const PlanOptions& options);
+// A decode step: q_len query tokens per sequence.
 void make_plan(Plan& plan, std::span<const std::int32_t> seq_lens, int q_len, int num_kv_heads,
                const PlanOptions& options);
+
+// The smallest capacity whose plan holds make_plan(step, options): exactly the query tiles,
+// splits and partial slots this step uses. For plans made once per step (a ragged step's,
+// whose prefill chunks would otherwise reserve partial slots they never use); a captured CUDA
+// graph keeps one capacity for every step instead.
+PlanCapacity capacity_for(const StepShape& step, const PlanOptions& options);
+
+// Query tiles make_plan cuts a ragged step into: ceil(query tokens / kMaxQLen) per sequence.
+// Size PlanCapacity::max_query_tiles with it. Throws Error naming query_start when it is not
+// nondecreasing from 0.
+int query_tiles_needed(std::span<const std::int32_t> query_start);
 
 // A max_splits (for PlanOptions and PlanCapacity) with which make_plan can fill one wave of
 // `workers` when `num_seqs` sequences of about equal length share the step: at least the
@@ -74,12 +144,12 @@ int max_splits_to_fill(int workers, int num_seqs, int num_kv_heads);
 // PlanCapacity with it to let a max_splits of 0 take effect.
 int effective_max_splits(const PlanOptions& options, int num_seqs, int num_kv_heads);
 
-// Where split partials live in a backend's workspace: for slot s, KV head h, query row r
-// (r = t * g + j for query token t and head j of the group), O at
+// Where split partials live in a backend's workspace: for slot s, KV head h, query row r of the
+// item (r = t * g + j for query token t of its tile and head j of the group), O at
 // o[((s * Hk + h) * rows + r) * D] and LSE at lse[(s * Hk + h) * rows + r].
 struct PartialLayout {
   int num_kv_heads = 0;
-  int rows = 0;  // q_len * g
+  int rows = 0;  // plan.q_len * g
   int head_dim = 0;
   std::size_t o_offset(int slot, int kv_head, int row) const {
     return ((std::size_t(slot) * num_kv_heads + kv_head) * rows + row) * head_dim;

@@ -12,6 +12,7 @@
 #include <string_view>
 
 #include "mjolnir/error.h"
+#include "mjolnir/plan.h"
 
 namespace mjolnir {
 namespace {
@@ -266,8 +267,21 @@ void validate(const KvCacheView& cache) {
 
 void validate(const PagedBatch& batch, const CacheGeometry& cache, int q_len) {
   validate_geometry(cache, "cache");
-  MJOLNIR_REQUIRE(q_len >= 1 && q_len <= 8, "q_len: ", q_len, " is outside [1, 8]");
   const int num_seqs = batch.num_seqs();
+  const bool ragged = !batch.query_start.empty();
+  if (ragged) {
+    MJOLNIR_REQUIRE(q_len == 0, "q_len: ", q_len,
+                    " with batch.query_start given; a ragged step takes its query lengths from "
+                    "query_start (q_len 0)");
+    MJOLNIR_REQUIRE(batch.query_start.size() == std::size_t(num_seqs) + 1,
+                    "query_start: ", batch.query_start.size(),
+                    " entries, expected num_seqs + 1 = ", num_seqs + 1);
+    MJOLNIR_REQUIRE(batch.query_start[0] == 0, "query_start[0]: ", batch.query_start[0],
+                    ", expected 0");
+  } else {
+    MJOLNIR_REQUIRE(q_len >= 1 && q_len <= kMaxQLen, "q_len: ", q_len, " is outside [1, ", kMaxQLen,
+                    "] (0: a ragged step, with batch.query_start)");
+  }
   const std::int64_t max_pages = batch.max_pages_per_seq;
   MJOLNIR_REQUIRE(max_pages >= 0, "max_pages_per_seq: ", max_pages, " is negative");
 
@@ -283,10 +297,18 @@ void validate(const PagedBatch& batch, const CacheGeometry& cache, int q_len) {
   const std::int64_t capacity = max_pages * cache.page_size;  // tokens one table row can hold
   for (int seq = 0; seq < num_seqs; ++seq) {
     const std::int32_t seq_len = batch.seq_lens[seq];
+    if (ragged) {
+      const std::int32_t begin = batch.query_start[seq], end = batch.query_start[seq + 1];
+      MJOLNIR_REQUIRE(end >= begin, "query_start[", seq + 1, "]: ", end,
+                      " is less than query_start[", seq, "] ", begin, " (it must not decrease)");
+      MJOLNIR_REQUIRE(end - begin <= std::max(seq_len, 0), "query_start: sequence ", seq, " has ",
+                      end - begin, " query tokens but seq_lens[", seq, "] is ", seq_len,
+                      " (its query tokens are in the cache)");
+    }
     if (seq_len == 0) continue;  // padding request: its table row is not read
     MJOLNIR_REQUIRE(seq_len > 0, "seq_lens[", seq, "]: ", seq_len, " is negative");
-    MJOLNIR_REQUIRE(seq_len >= q_len, "seq_lens[", seq, "]: ", seq_len, " is less than q_len ",
-                    q_len);
+    MJOLNIR_REQUIRE(ragged || seq_len >= q_len, "seq_lens[", seq, "]: ", seq_len,
+                    " is less than q_len ", q_len);
     MJOLNIR_REQUIRE(seq_len <= capacity, "seq_lens[", seq, "]: ", seq_len, " tokens do not fit ",
                     max_pages, " pages of ", cache.page_size);
     // Only the pages that hold the sequence's tokens are read; the rest may be anything.

@@ -56,20 +56,23 @@ float DecodeParams::effective_softmax_scale(int head_dim) const {
   return softmax_scale > 0 ? softmax_scale : 1.0f / std::sqrt(static_cast<float>(head_dim));
 }
 
+PartialLayout partial_layout(const CacheGeometry& geometry, const DecodeParams& params) {
+  const int g = params.num_q_heads / geometry.num_kv_heads;
+  return PartialLayout{geometry.num_kv_heads, params.item_q_len() * g, geometry.head_dim};
+}
+
 void validate(const DecodeArgs& args) {
   validate(args.cache);
   const CacheGeometry& geo = args.cache.geometry;
   const DecodeParams& p = args.params;
-  MJOLNIR_REQUIRE(p.q_len >= 1 && p.q_len <= kMaxQLen, "q_len: ", p.q_len, " is outside [1, ",
-                  kMaxQLen, "]");
   MJOLNIR_REQUIRE(p.num_q_heads >= 1 && p.num_q_heads % geo.num_kv_heads == 0,
                   "num_q_heads: ", p.num_q_heads, " is not a positive multiple of num_kv_heads ",
                   geo.num_kv_heads);
   MJOLNIR_REQUIRE(std::isfinite(p.softmax_scale) && p.softmax_scale >= 0,
                   "softmax_scale: ", p.softmax_scale, " must be finite and >= 0 (0 = 1/sqrt(D))");
-  validate(args.batch, geo, p.q_len);
+  validate(args.batch, geo, p.q_len);  // q_len, and query_start for a ragged step
 
-  const std::int64_t rows = std::int64_t(args.batch.num_seqs()) * p.q_len;
+  const std::int64_t rows = args.num_query_rows();
   const std::int64_t d = geo.head_dim;
   // [num_seqs * q_len, Hq, D] with D contiguous: heads inside a token row, token rows apart.
   auto check_tensor = [&](const void* data, std::int64_t token_stride, std::int64_t head_stride,
@@ -91,10 +94,15 @@ void validate(const DecodeArgs& args) {
 }
 
 void check_plan(const Plan& plan, const DecodeArgs& args) {
-  const int num_seqs = args.batch.num_seqs();
-  const int hk = args.cache.geometry.num_kv_heads;
-  MJOLNIR_REQUIRE(plan.q_len == args.params.q_len, "plan.q_len: ", plan.q_len,
-                  " differs from params.q_len ", args.params.q_len,
+  const StepShape step = args.step_shape();
+  const int num_seqs = step.num_seqs();
+  const int hk = step.num_kv_heads;
+  MJOLNIR_REQUIRE(plan.ragged == !step.query_start.empty(), "plan: made for a ",
+                  plan.ragged ? "ragged" : "decode", " step, but this step is ",
+                  plan.ragged ? "a decode step (no query_start)" : "ragged (query_start given)",
+                  " (make the plan for this step)");
+  MJOLNIR_REQUIRE(plan.ragged ? plan.q_len == kMaxQLen : plan.q_len == step.q_len,
+                  "plan.q_len: ", plan.q_len, " differs from params.q_len ", step.q_len,
                   " (make the plan for this step)");
   MJOLNIR_REQUIRE(plan.capacity.num_kv_heads == hk,
                   "plan.capacity.num_kv_heads: ", plan.capacity.num_kv_heads,
@@ -107,37 +115,74 @@ void check_plan(const Plan& plan, const DecodeArgs& args) {
   MJOLNIR_REQUIRE(plan.num_items >= 0 && std::size_t(plan.num_items) <= plan.items.size(),
                   "plan.num_items: ", plan.num_items, " is outside the plan's ", plan.items.size(),
                   " items");
-  MJOLNIR_REQUIRE(std::size_t(num_seqs) <= plan.num_splits.size() &&
-                      std::size_t(num_seqs) <= plan.first_partial.size(),
-                  "plan.num_seqs: ", num_seqs, " exceeds the plan's capacity of ",
-                  plan.num_splits.size());
-  const std::int64_t slots = std::int64_t(plan.capacity.max_seqs) * plan.capacity.max_splits;
-  for (int b = 0; b < num_seqs; ++b) {
-    const std::int64_t first = plan.first_partial[b], splits = plan.num_splits[b];
-    MJOLNIR_REQUIRE(splits >= 1 && splits <= plan.capacity.max_splits &&
-                        (splits == 1 || (first >= 0 && first + splits <= slots)),
-                    "plan.num_splits[", b, "]: ", splits, " chunks from partial slot ", first,
-                    " do not fit the plan's ", slots, " slots");
-  }
-  const std::span<const std::int32_t> seq_lens = args.batch.seq_lens;
+  const std::size_t tiles = std::size_t(std::max(plan.num_query_tiles, 0));
+  MJOLNIR_REQUIRE(plan.num_query_tiles >= 0 && tiles <= plan.query_tiles.size() &&
+                      tiles <= plan.num_splits.size() && tiles <= plan.first_partial.size(),
+                  "plan.num_query_tiles: ", plan.num_query_tiles,
+                  " exceeds the plan's capacity of ", plan.query_tiles.size());
+  // Items first, against the step itself: what they would read and write.
+  const std::int64_t slots = plan.partial_slots();
   for (int i = 0; i < plan.num_items; ++i) {
     const WorkItem& item = plan.items[i];
     MJOLNIR_REQUIRE(item.seq >= 0 && item.seq < num_seqs && item.kv_head >= 0 && item.kv_head < hk,
                     "plan.items[", i, "]: sequence ", item.seq, ", KV head ", item.kv_head,
                     " is outside the step's ", num_seqs, " sequences and ", hk, " KV heads");
-    const int len = seq_lens[item.seq];
+    const int queries = step.query_len(item.seq);
+    MJOLNIR_REQUIRE(item.q_begin >= 0 && item.q_count >= 1 && item.q_count <= plan.q_len &&
+                        item.q_begin + item.q_count <= queries,
+                    "plan.items[", i, "]: query tokens [", item.q_begin, ", ",
+                    item.q_begin + item.q_count, ") are outside sequence ", item.seq, "'s ",
+                    queries, " (make the plan for this step)");
+    MJOLNIR_REQUIRE(item.tile >= 0 && std::size_t(item.tile) < tiles, "plan.items[", i,
+                    "]: query tile ", item.tile, " is outside the plan's ", tiles);
+    const int seq_len = step.seq_lens[item.seq];
+    // The KV tokens the item's last query token may see.
+    const int len = step.causal ? seq_len - queries + item.q_begin + item.q_count : seq_len;
     MJOLNIR_REQUIRE(item.kv_begin >= 0 && item.kv_begin <= item.kv_end && item.kv_end <= len,
                     "plan.items[", i, "]: tokens [", item.kv_begin, ", ", item.kv_end,
                     ") are outside sequence ", item.seq, "'s ", len,
                     " (the plan was made for other seq_lens; make it for this step)");
     MJOLNIR_REQUIRE(item.partial_slot >= -1 && item.partial_slot < slots, "plan.items[", i,
                     "]: partial slot ", item.partial_slot, " is outside the plan's ", slots);
-    // make_plan lists a sequence's chunks in order: its last item ends at the sequence's end.
-    const bool last_of_seq = i + 1 == plan.num_items || plan.items[i + 1].seq != item.seq;
-    MJOLNIR_REQUIRE(!last_of_seq || item.kv_end == len, "plan.items[", i, "]: sequence ", item.seq,
+    // make_plan lists a tile's chunks in order: its last item ends at the tile's KV length.
+    const bool last_of_tile = i + 1 == plan.num_items || plan.items[i + 1].tile != item.tile;
+    MJOLNIR_REQUIRE(!last_of_tile || item.kv_end == len, "plan.items[", i, "]: sequence ", item.seq,
                     " ends at token ", item.kv_end, ", its seq_len is ", len,
                     " (the plan was made for other seq_lens; make it for this step)");
+    const QueryTile& qt = plan.query_tiles[item.tile];
+    MJOLNIR_REQUIRE(item.seq == qt.seq && item.q_begin == qt.q_begin && item.q_count == qt.q_count,
+                    "plan.items[", i, "]: sequence ", item.seq, " query tokens [", item.q_begin,
+                    ", ", item.q_begin + item.q_count, ") differ from its query tile's");
   }
+  // The query tiles are the step's, in order: make_plan's cut of each sequence's query tokens,
+  // each seeing what causality lets its last token see.
+  std::size_t i = 0;
+  for (int b = 0; b < num_seqs; ++b) {
+    const int queries = step.query_len(b);
+    const int count = plan.ragged ? (queries + kMaxQLen - 1) / kMaxQLen : 1;
+    for (int k = 0; k < count; ++k, ++i) {
+      MJOLNIR_REQUIRE(i < tiles, "plan.num_query_tiles: ", tiles,
+                      " tiles do not cover the step's query tokens (make the plan for this step)");
+      const int q_begin = k * kMaxQLen;
+      const int q_count = plan.ragged ? std::min(kMaxQLen, queries - q_begin) : queries;
+      const int len = step.seq_lens[b];
+      const int kv_len = step.causal ? len - queries + q_begin + q_count : len;
+      const QueryTile& qt = plan.query_tiles[i];
+      MJOLNIR_REQUIRE(
+          qt.seq == b && qt.q_begin == q_begin && qt.q_count == q_count && qt.kv_len == kv_len,
+          "plan.query_tiles[", i, "]: sequence ", qt.seq, ", query tokens [", qt.q_begin, ", ",
+          qt.q_begin + qt.q_count, "), ", qt.kv_len, " KV tokens, where the step has sequence ", b,
+          ", [", q_begin, ", ", q_begin + q_count, "), ", kv_len,
+          " (the plan was made for other seq_lens; make it for this step)");
+      const std::int64_t first = plan.first_partial[i], splits = plan.num_splits[i];
+      MJOLNIR_REQUIRE(splits >= 1 && splits <= plan.capacity.max_splits &&
+                          (splits == 1 || (first >= 0 && first + splits <= slots)),
+                      "plan.num_splits[", i, "]: ", splits, " chunks from partial slot ", first,
+                      " do not fit the plan's ", slots, " slots");
+    }
+  }
+  MJOLNIR_REQUIRE(i == tiles, "plan.num_query_tiles: ", tiles, " tiles, the step has ", i,
+                  " (make the plan for this step)");
 }
 
 void Backend::check_run(const DecodeArgs& args, const Plan& plan,
@@ -150,9 +195,8 @@ void Backend::check_run(const DecodeArgs& args, const Plan& plan,
 
 std::size_t Backend::workspace_bytes(const Plan& plan, const CacheGeometry& geometry,
                                      const DecodeParams& params) const {
-  const int g = params.num_q_heads / geometry.num_kv_heads;
-  const PartialLayout layout{geometry.num_kv_heads, params.q_len * g, geometry.head_dim};
-  const int slots = plan.capacity.max_seqs * plan.capacity.max_splits;
+  const PartialLayout layout = partial_layout(geometry, params);
+  const int slots = plan.partial_slots();
   return (layout.o_floats(slots) + layout.lse_floats(slots)) * sizeof(float);
 }
 
@@ -188,13 +232,13 @@ void decode(const Backend& backend, const DecodeArgs& args, PlanOptions options)
   const std::string why = backend.unsupported_reason(args.cache.geometry, args.params);
   MJOLNIR_REQUIRE(why.empty(), "backend ", backend.name(), ": ", why);
   options.workers = backend.workers();
-  const int num_kv_heads = args.cache.geometry.num_kv_heads;
-  // One call, one workspace: a max_splits of 0 gets as many chunks as fill the device.
-  options.max_splits = effective_max_splits(options, args.batch.num_seqs(), num_kv_heads);
-  Plan plan(PlanCapacity{args.batch.num_seqs(), num_kv_heads,
-                         std::max(1, std::max(options.max_splits, options.fixed_splits))});
-  options.max_splits = plan.capacity.max_splits;
-  make_plan(plan, args.batch.seq_lens, args.params.q_len, num_kv_heads, options);
+  const StepShape step = args.step_shape();
+  // One call, one workspace sized for this plan alone: a max_splits of 0 gets as many chunks as
+  // fill the device, and fixed_splits beyond max_splits get their way.
+  const int max_splits = effective_max_splits(options, step.num_seqs(), step.num_kv_heads);
+  if (max_splits >= 0) options.max_splits = std::max(max_splits, options.fixed_splits);
+  Plan plan(capacity_for(step, options));
+  make_plan(plan, step, options);
   std::vector<std::byte> workspace(backend.workspace_bytes(plan, args.cache.geometry, args.params));
   backend.run(args, plan, workspace);
 }

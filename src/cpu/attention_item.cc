@@ -20,26 +20,23 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 float round_to(Format format, float x) { return decode_element(format, encode_element(format, x)); }
 
 // Q for the QK product and the factor that turns q . decode(k) into log2-scaled scores.
-float prepare_query(const DecodeArgs& args, int seq, int kv_head, int g, std::span<float> q_out) {
+float prepare_query(const DecodeArgs& args, const WorkItem& item, int g, std::span<float> q_out) {
   const KvCacheView& cache = args.cache;
   const DecodeParams& p = args.params;
   const int d = cache.geometry.head_dim;
+  const int kv_head = item.kv_head;
   const bool channel_scales = cache.granularity == ScaleGranularity::channel;
   float amax = 0.0f;
-  for (int t = 0; t < p.q_len; ++t) {
-    const std::int64_t token = std::int64_t(seq) * p.q_len + t;
-    for (int j = 0; j < g; ++j) {
-      const float* q = args.q.data + token * args.q.token_stride +
-                       std::int64_t(kv_head * g + j) * args.q.head_stride;
-      float* out = &q_out[std::size_t(t * g + j) * d];
-      if (channel_scales) {
-        const float* ks = &cache.k_scale[std::size_t(kv_head) * d];
-        for (int c = 0; c < d; ++c) out[c] = q[c] * ks[c];
-      } else {
-        std::copy(q, q + d, out);
-      }
-      for (int c = 0; c < d; ++c) amax = std::max(amax, std::abs(out[c]));
+  for (int r = 0; r < item.q_count * g; ++r) {
+    const float* q = args.q_row(item, r, g);
+    float* out = &q_out[std::size_t(r) * d];
+    if (channel_scales) {
+      const float* ks = &cache.k_scale[std::size_t(kv_head) * d];
+      for (int c = 0; c < d; ++c) out[c] = q[c] * ks[c];
+    } else {
+      std::copy(q, q + d, out);
     }
+    for (int c = 0; c < d; ++c) amax = std::max(amax, std::abs(out[c]));
   }
   float sq = 1.0f;
   if (p.q_mode == QMode::bf16) {
@@ -73,9 +70,9 @@ void run_attention_item(const DecodeArgs& args, const Plan& plan, const WorkItem
   const DecodeParams& p = args.params;
   const int d = cache.geometry.head_dim;
   const int g = p.num_q_heads / cache.geometry.num_kv_heads;
-  const int rows = p.q_len * g;
+  const int rows = item.q_count * g;
   const int tile = plan.tile_tokens;
-  const int seq_len = args.batch.seq_lens[item.seq];
+  const int seq_len = plan.query_tiles[item.tile].kv_len;  // what the tile's last token sees
 
   s.q.resize(std::size_t(rows) * d);
   s.k_tile.resize(std::size_t(tile) * d);
@@ -87,8 +84,7 @@ void run_attention_item(const DecodeArgs& args, const Plan& plan, const WorkItem
   s.o.resize(std::size_t(rows) * d);
   s.lse.resize(rows);
 
-  const float score_scale =
-      item.kv_begin < item.kv_end ? prepare_query(args, item.seq, item.kv_head, g, s.q) : 0.0f;
+  const float score_scale = item.kv_begin < item.kv_end ? prepare_query(args, item, g, s.q) : 0.0f;
   const float p_scale = p.p_mode == PMode::fp8 ? 256.0f : 1.0f;
 
   for (int first = item.kv_begin; first < item.kv_end; first += tile) {
@@ -97,7 +93,7 @@ void run_attention_item(const DecodeArgs& args, const Plan& plan, const WorkItem
     decode_tile(args, item.seq, item.kv_head, first, n, 1, s.v_tile);
     for (int r = 0; r < rows; ++r) {
       const int t = r / g;
-      const int visible = (p.causal ? seq_len - p.q_len + t + 1 : seq_len) - first;
+      const int visible = (p.causal ? seq_len - item.q_count + t + 1 : seq_len) - first;
       const int live = std::clamp(visible, 0, n);  // tokens of the tile this row sees
       if (live == 0) continue;
       const float* q = &s.q[std::size_t(r) * d];

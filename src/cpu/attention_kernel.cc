@@ -67,7 +67,7 @@ namespace hn = hwy::HWY_NAMESPACE;
 void RunWorkUnit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, int heads,
                  KernelScratch& scratch, const ItemOutput* outs) {
   const int d = args.cache.geometry.head_dim;
-  const int rows = args.params.q_len * (args.params.num_q_heads / args.cache.geometry.num_kv_heads);
+  const int rows = items[0].q_count * (args.params.num_q_heads / args.cache.geometry.num_kv_heads);
   for (int h = 0; h < heads; ++h) {
     run_attention_item(args, plan, items[h], scratch.portable);
     for (int r = 0; r < rows; ++r) {
@@ -143,18 +143,14 @@ float PrepareQuery(const ItemContext& it, float* HWY_RESTRICT qn) {
   const bool channel_scales = cache.granularity == ScaleGranularity::channel;
   const float* ks = channel_scales ? &cache.k_scale[std::size_t(it.item->kv_head) * d] : nullptr;
   auto amax = hn::Zero(df);
-  for (int t = 0; t < it.q_len; ++t) {
-    const std::int64_t token = std::int64_t(it.item->seq) * it.q_len + t;
-    for (int j = 0; j < it.g; ++j) {
-      const float* q = args.q.data + token * args.q.token_stride +
-                       std::int64_t(it.item->kv_head * it.g + j) * args.q.head_stride;
-      float* out = qn + std::size_t(t * it.g + j) * d;
-      for (int c = 0; c < d; c += int(n)) {
-        auto v = hn::LoadU(df, q + c);
-        if (channel_scales) v = hn::Mul(v, hn::LoadU(df, ks + c));
-        amax = hn::Max(amax, hn::Abs(v));
-        hn::Store(v, df, out + c);
-      }
+  for (int r = 0; r < it.rows; ++r) {
+    const float* q = args.q_row(*it.item, r, it.g);
+    float* out = qn + std::size_t(r) * d;
+    for (int c = 0; c < d; c += int(n)) {
+      auto v = hn::LoadU(df, q + c);
+      if (channel_scales) v = hn::Mul(v, hn::LoadU(df, ks + c));
+      amax = hn::Max(amax, hn::Abs(v));
+      hn::Store(v, df, out + c);
     }
   }
   const std::size_t total = std::size_t(it.rows) * d;
@@ -389,7 +385,7 @@ void RunUnit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, in
   const FloatTag df;
   const int d = geo.head_dim;
   const int g = args.params.num_q_heads / geo.num_kv_heads;
-  const int rows = args.params.q_len * g;
+  const int rows = items[0].q_count * g;  // the unit's items share their query tile
   const bool exact = args.params.p_mode != PMode::fp32;
 #if MJOLNIR_BF16_DOT
   using Dot = typename DotDecoderOf<Decoder>::type;
@@ -438,9 +434,9 @@ void RunUnit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, in
                         d,
                         g,
                         rows,
-                        args.params.q_len,
+                        item.q_count,
                         tile,
-                        args.batch.seq_lens[item.seq],
+                        plan.query_tiles[item.tile].kv_len,
                         args.params.causal,
                         args.params.p_mode,
                         geo.row_bytes(),

@@ -16,22 +16,6 @@ namespace mjolnir::cpu {
 
 namespace {
 
-// Output addressing of one (sequence, KV head)'s query rows r = t * g + j.
-struct RowAddress {
-  const DecodeArgs& args;
-  int g;
-  float* o(int seq, int kv_head, int r) const {
-    const int q_len = args.params.q_len;
-    return args.o.data + (std::int64_t(seq) * q_len + r / g) * args.o.token_stride +
-           std::int64_t(kv_head * g + r % g) * args.o.head_stride;
-  }
-  float* lse(int seq, int kv_head, int r) const {
-    if (args.lse.empty()) return nullptr;
-    const std::size_t token = std::size_t(seq) * args.params.q_len + r / g;
-    return &args.lse[token * args.params.num_q_heads + kv_head * g + r % g];
-  }
-};
-
 // O = sum_i exp(lse_i - L) O_i with L = log sum_i exp(lse_i), for one query row of a split
 // sequence; chunks whose rows saw nothing (lse = -inf) weigh 0, all-empty gives O = 0.
 void merge_row(const float* partial_o, const float* partial_lse, std::size_t o_stride,
@@ -116,8 +100,7 @@ class CpuBackend final : public Backend {
   std::size_t workspace_bytes(const Plan& plan, const CacheGeometry& geometry,
                               const DecodeParams& params) const override {
     // The plan's split partials, then the token parts of chunks cut for the threads.
-    const int g = params.num_q_heads / geometry.num_kv_heads;
-    const PartialLayout parts{geometry.num_kv_heads, params.q_len * g, geometry.head_dim};
+    const PartialLayout parts = partial_layout(geometry, params);
     return Backend::workspace_bytes(plan, geometry, params) +
            (parts.o_floats(max_part_slots(pool_.size())) +
             2 * parts.lse_floats(max_part_slots(pool_.size()))) *
@@ -132,21 +115,19 @@ class CpuBackend final : public Backend {
     const int d = args.cache.geometry.head_dim;
     const int hk = args.cache.geometry.num_kv_heads;
     const int g = args.params.num_q_heads / hk;
-    const int rows = args.params.q_len * g;
-    const PartialLayout layout{hk, rows, d};
-    const int slots = plan.capacity.max_seqs * plan.capacity.max_splits;
+    const PartialLayout layout = partial_layout(args.cache.geometry, args.params);
+    const int slots = plan.partial_slots();
     float* partial_o = reinterpret_cast<float*>(workspace.data());
     float* partial_lse = partial_o + layout.o_floats(slots);
     // Token parts: the same layout, slot = part slot, head = the item's KV head.
     float* part_o = partial_lse + layout.lse_floats(slots);
     float* part_stats = part_o + layout.o_floats(max_part_slots(pool_.size()));  // {m, l} per row
-    const RowAddress out{args, g};
 
     // Where item `i`'s row r goes: the output, or its split partial slot.
     const auto destination = [&](const WorkItem& item, int r, float*& o, float*& lse) {
       if (item.partial_slot < 0) {
-        o = out.o(item.seq, item.kv_head, r);
-        lse = out.lse(item.seq, item.kv_head, r);
+        o = args.o_row(item, r, g);
+        lse = args.lse_at(item, r, g);
       } else {
         o = partial_o + layout.o_offset(item.partial_slot, item.kv_head, r);
         lse = partial_lse + layout.lse_offset(item.partial_slot, item.kv_head, r);
@@ -156,6 +137,7 @@ class CpuBackend final : public Backend {
     make_units(plan, pool_.size(), args.params.p_mode == PMode::fp32, schedule_);
     pool_.parallel_for(std::int64_t(schedule_.units.size()), [&](std::int64_t index, int worker) {
       const WorkUnit& unit = schedule_.units[index];
+      const int rows = plan.items[unit.first_item].q_count * g;
       WorkerScratch& s = scratch_[worker];
       s.items.assign(plan.items.begin() + unit.first_item,
                      plan.items.begin() + unit.first_item + unit.heads);
@@ -191,7 +173,7 @@ class CpuBackend final : public Backend {
       for (int h = 0; h < schedule_.merges[m].heads; ++h) tasks.emplace_back(m, h);
     }
     // Merges are small: threads are woken for them only when there is enough to share.
-    const std::int64_t merge_floats = std::int64_t(rows) * (d + 1);
+    const std::int64_t merge_floats = std::int64_t(layout.rows) * (d + 1);
     const auto run_merges = [&](const auto& merge) {
       if (std::int64_t(tasks.size()) * merge_floats < kParallelMergeFloats) {
         for (std::size_t i = 0; i < tasks.size(); ++i) merge(std::int64_t(i), 0);
@@ -203,7 +185,7 @@ class CpuBackend final : public Backend {
       const auto [m, h] = tasks[index];
       const PartMerge& merge = schedule_.merges[m];
       const WorkItem& item = plan.items[merge.first_item + h];
-      for (int r = 0; r < rows; ++r) {
+      for (int r = 0; r < item.q_count * g; ++r) {
         float *o, *lse;
         destination(item, r, o, lse);
         merge_parts_row(part_o + layout.o_offset(merge.first_slot, item.kv_head, r),
@@ -213,21 +195,24 @@ class CpuBackend final : public Backend {
       }
     });
 
-    // The plan's split sequences: one task per (sequence, KV head).
+    // The plan's split query tiles: one task per (query tile, KV head).
     tasks.clear();
-    for (int b = 0; b < plan.num_seqs; ++b) {
-      if (plan.num_splits[b] > 1) {
-        for (int h = 0; h < hk; ++h) tasks.emplace_back(b, h);
+    for (int i = 0; i < plan.num_query_tiles; ++i) {
+      if (plan.num_splits[i] > 1) {
+        for (int h = 0; h < hk; ++h) tasks.emplace_back(i, h);
       }
     }
     run_merges([&](std::int64_t index, int) {
-      const auto [b, h] = tasks[index];
-      const int first = plan.first_partial[b];
-      for (int r = 0; r < rows; ++r) {
+      const auto [i, h] = tasks[index];
+      const QueryTile& qt = plan.query_tiles[i];
+      const WorkItem rows_of{
+          .seq = qt.seq, .kv_head = h, .q_begin = qt.q_begin, .q_count = qt.q_count};
+      const int first = plan.first_partial[i];
+      for (int r = 0; r < qt.q_count * g; ++r) {
         merge_row(partial_o + layout.o_offset(first, h, r),
                   partial_lse + layout.lse_offset(first, h, r), layout.o_offset(1, 0, 0),
-                  layout.lse_offset(1, 0, 0), plan.num_splits[b], d, out.o(b, h, r),
-                  out.lse(b, h, r));
+                  layout.lse_offset(1, 0, 0), plan.num_splits[i], d, args.o_row(rows_of, r, g),
+                  args.lse_at(rows_of, r, g));
       }
     });
   }

@@ -11,6 +11,8 @@ namespace mjolnir::cpu {
 struct ItemContext {
   const DecodeArgs* args;
   const WorkItem* item;
+  // q_len: the item's query tokens; seq_len: the KV tokens its last one sees (its query tile's
+  // kv_len). Row r = t * g + j sees [0, seq_len - q_len + t] when causal, else [0, seq_len).
   int d, g, rows, q_len, tile, seq_len;
   bool causal;
   PMode p_mode;

@@ -9,7 +9,7 @@ namespace mjolnir::cpu {
 namespace {
 
 bool same_chunk(const WorkItem& a, const WorkItem& b) {
-  return a.seq == b.seq && a.kv_begin == b.kv_begin && a.kv_end == b.kv_end && a.split == b.split;
+  return a.tile == b.tile && a.kv_begin == b.kv_begin && a.kv_end == b.kv_end && a.split == b.split;
 }
 
 int ceil_div(int a, int b) { return (a + b - 1) / b; }

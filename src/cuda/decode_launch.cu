@@ -110,13 +110,16 @@ std::string unsupported_reason(const CacheGeometry& geometry, const DecodeParams
     return "format value " + std::to_string(static_cast<int>(geometry.format)) + " is unknown";
   }
   if (max_tile_tokens < 1) return "tile_tokens " + std::to_string(max_tile_tokens) + " < 1";
+  if (params.q_len == 0) {
+    return "ragged steps (q_len 0 with query_start: prefill, mixed query lengths) are not "
+           "implemented on CUDA yet; the cpu and reference backends run them";
+  }
   // One query row must fit the device's shared memory with the largest tile.
   int device_count = 0;
   if (cudaGetDeviceCount(&device_count) != cudaSuccess || device_count == 0) {
     cudaGetLastError();  // no device: nothing more to check here
     return {};
   }
-  (void)params;
   const int sub = sub_tokens_for(d);
   const int raw_stride = static_cast<int>(align16(geometry.row_bytes()));
   const std::size_t one_row = decode_smem(1, d, sub, max_tile_tokens, raw_stride).bytes;

@@ -33,23 +33,26 @@ void decode_kv_row(const DecodeArgs& args, int seq, int kv_head, int position, i
 }  // namespace
 
 PreparedQuery prepare_query(const DecodeArgs& args, int seq, int kv_head) {
+  return prepare_query(
+      args, WorkItem{.seq = seq, .kv_head = kv_head, .q_begin = 0, .q_count = args.query_len(seq)});
+}
+
+PreparedQuery prepare_query(const DecodeArgs& args, const WorkItem& item) {
   const KvCacheView& cache = args.cache;
   const DecodeParams& p = args.params;
   const int d = cache.geometry.head_dim;
   const int g = p.num_q_heads / cache.geometry.num_kv_heads;
-  const int rows = p.q_len * g;
+  const int rows = item.q_count * g;
+  const int kv_head = item.kv_head;
   const bool channel_scales = cache.granularity == ScaleGranularity::channel;
 
   PreparedQuery prepared;
   prepared.values.resize(std::size_t(rows) * d);
-  for (int t = 0; t < p.q_len; ++t) {
-    for (int j = 0; j < g; ++j) {
-      const float* q = args.q.data + (std::int64_t(seq) * p.q_len + t) * args.q.token_stride +
-                       std::int64_t(kv_head * g + j) * args.q.head_stride;
-      float* out = &prepared.values[std::size_t(t * g + j) * d];
-      for (int c = 0; c < d; ++c) {
-        out[c] = channel_scales ? q[c] * cache.k_scale_at(kv_head, c) : q[c];
-      }
+  for (int r = 0; r < rows; ++r) {
+    const float* q = args.q_row(item, r, g);
+    float* out = &prepared.values[std::size_t(r) * d];
+    for (int c = 0; c < d; ++c) {
+      out[c] = channel_scales ? q[c] * cache.k_scale_at(kv_head, c) : q[c];
     }
   }
 
@@ -93,8 +96,8 @@ void run_item(const DecodeArgs& args, const Plan& plan, const WorkItem& item,
   const DecodeParams& p = args.params;
   const int d = cache.geometry.head_dim;
   const int g = p.num_q_heads / cache.geometry.num_kv_heads;
-  const int rows = p.q_len * g;
-  const int seq_len = args.batch.seq_lens[item.seq];
+  const int rows = item.q_count * g;
+  const int seq_len = plan.query_tiles[item.tile].kv_len;  // what the tile's last token sees
   const int tile = plan.tile_tokens;
 
   // Running state per row: max m (log2 units), sum l of fp32 p, accumulator acc [D].
@@ -111,7 +114,7 @@ void run_item(const DecodeArgs& args, const Plan& plan, const WorkItem& item,
     for (int r = 0; r < rows; ++r) {
       const int t = r / g;
       // Last KV position this query token may see.
-      const int last = p.causal ? seq_len - p.q_len + t : seq_len - 1;
+      const int last = p.causal ? seq_len - item.q_count + t : seq_len - 1;
       const float* q = &query.values[std::size_t(r) * d];
       float tile_max = kNegInf;
       for (int i = 0; i < n; ++i) {

@@ -11,14 +11,17 @@
 
 namespace mjolnir::reference {
 
-// Q of one (sequence, KV head) as the QK product consumes it.
+// Q of one work item's query rows (a query tile of one KV head) as the QK product consumes it.
 struct PreparedQuery {
-  std::vector<float> values;  // [rows = q_len * g, D]: fp32, bf16-rounded or e4m3-decoded codes
+  std::vector<float> values;  // [rows = q_count * g, D]: fp32, bf16-rounded or e4m3 codes
   float score_scale = 0;      // multiplies q . decode(k): sq * k_scale * softmax_scale * log2(e)
 };
 
-// Step 1 and the scale of step 2: per-channel K scales folded into Q, then Q rounded per mode
-// (fp8: sq = amax / 448 over all rows of the group, codes e4m3(q / sq)).
+// Step 1 and the scale of step 2 for the item's rows: per-channel K scales folded into Q, then
+// Q rounded per mode (fp8: sq = amax / 448 over all rows of the item's query tile, codes
+// e4m3(q / sq)).
+PreparedQuery prepare_query(const DecodeArgs& args, const WorkItem& item);
+// The same for all query tokens of sequence `seq` (a decode step's one query tile).
 PreparedQuery prepare_query(const DecodeArgs& args, int seq, int kv_head);
 
 // P as PV consumes it: fp32, bf16(p) or e4m3(p * 256) decoded.

@@ -23,39 +23,27 @@ class EmulatorBackend final : public Backend {
     const int d = args.cache.geometry.head_dim;
     const int hk = args.cache.geometry.num_kv_heads;
     const int g = args.params.num_q_heads / hk;
-    const int q_len = args.params.q_len;
-    const int rows = q_len * g;
-    const PartialLayout layout{hk, rows, d};
-    const int slots = plan.capacity.max_seqs * plan.capacity.max_splits;
+    const PartialLayout layout = partial_layout(args.cache.geometry, args.params);
+    const int slots = plan.partial_slots();
     float* partial_o = reinterpret_cast<float*>(workspace.data());
     float* partial_lse = partial_o + layout.o_floats(slots);
 
-    std::vector<float> o(std::size_t(rows) * d), lse(rows);
-    auto output_row = [&](int seq, int kv_head, int r) {
-      const int t = r / g, j = r % g;
-      return args.o.data + (std::int64_t(seq) * q_len + t) * args.o.token_stride +
-             std::int64_t(kv_head * g + j) * args.o.head_stride;
-    };
-    auto lse_index = [&](int seq, int kv_head, int r) {
-      const int t = r / g, j = r % g;
-      return (std::size_t(seq) * q_len + t) * args.params.num_q_heads + kv_head * g + j;
-    };
-
-    // Q is prepared once per (sequence, KV head), as a kernel does before its chunks.
-    int prepared_seq = -1, prepared_head = -1;
+    std::vector<float> o(std::size_t(layout.rows) * d), lse(layout.rows);
+    // Q is prepared once per (query tile, KV head), as a kernel does before its chunks.
+    int prepared_tile = -1, prepared_head = -1;
     PreparedQuery query;
     for (const WorkItem& item : plan.work()) {
-      if (item.seq != prepared_seq || item.kv_head != prepared_head) {
-        query = prepare_query(args, item.seq, item.kv_head);
-        prepared_seq = item.seq;
+      if (item.tile != prepared_tile || item.kv_head != prepared_head) {
+        query = prepare_query(args, item);
+        prepared_tile = item.tile;
         prepared_head = item.kv_head;
       }
       run_item(args, plan, item, query, o, lse);
-      for (int r = 0; r < rows; ++r) {
+      for (int r = 0; r < item.q_count * g; ++r) {
         const float* src = &o[std::size_t(r) * d];
         if (item.partial_slot < 0) {
-          std::copy(src, src + d, output_row(item.seq, item.kv_head, r));
-          if (!args.lse.empty()) args.lse[lse_index(item.seq, item.kv_head, r)] = lse[r];
+          std::copy(src, src + d, args.o_row(item, r, g));
+          if (float* out_lse = args.lse_at(item, r, g)) *out_lse = lse[r];
         } else {
           std::copy(src, src + d, partial_o + layout.o_offset(item.partial_slot, item.kv_head, r));
           partial_lse[layout.lse_offset(item.partial_slot, item.kv_head, r)] = lse[r];
@@ -63,24 +51,28 @@ class EmulatorBackend final : public Backend {
       }
     }
 
-    // Merge the chunks of every split sequence.
+    // Merge the chunks of every split query tile.
     std::vector<float> chunk_o, chunk_lse;
-    for (int b = 0; b < plan.num_seqs; ++b) {
-      const int splits = plan.num_splits[b];
+    for (int i = 0; i < plan.num_query_tiles; ++i) {
+      const int splits = plan.num_splits[i];
       if (splits <= 1) continue;
+      const QueryTile& qt = plan.query_tiles[i];
       chunk_o.resize(std::size_t(splits) * d);
       chunk_lse.resize(splits);
       for (int h = 0; h < hk; ++h) {
-        for (int r = 0; r < rows; ++r) {
+        const WorkItem rows_of{
+            .seq = qt.seq, .kv_head = h, .q_begin = qt.q_begin, .q_count = qt.q_count};
+        for (int r = 0; r < qt.q_count * g; ++r) {
           for (int s = 0; s < splits; ++s) {
-            const int slot = plan.first_partial[b] + s;
+            const int slot = plan.first_partial[i] + s;
             const float* src = partial_o + layout.o_offset(slot, h, r);
             std::copy(src, src + d, &chunk_o[std::size_t(s) * d]);
             chunk_lse[s] = partial_lse[layout.lse_offset(slot, h, r)];
           }
           float merged_lse;
-          merge_chunks(chunk_o, chunk_lse, d, {output_row(b, h, r), std::size_t(d)}, &merged_lse);
-          if (!args.lse.empty()) args.lse[lse_index(b, h, r)] = merged_lse;
+          merge_chunks(chunk_o, chunk_lse, d, {args.o_row(rows_of, r, g), std::size_t(d)},
+                       &merged_lse);
+          if (float* out_lse = args.lse_at(rows_of, r, g)) *out_lse = merged_lse;
         }
       }
     }

@@ -12,8 +12,8 @@ KvRowSource kv_rows_from_cache(const KvCacheView& cache, const PagedBatch& batch
     const CacheGeometry& geo = cache.geometry;
     const int page = batch.page(seq, position / geo.page_size);
     std::vector<float> decoded(geo.head_dim);
-    decode_row(geo.format, {cache.row(page, kv_head, position % geo.page_size, kv), geo.row_bytes()},
-               decoded);
+    decode_row(geo.format,
+               {cache.row(page, kv_head, position % geo.page_size, kv), geo.row_bytes()}, decoded);
     for (int c = 0; c < geo.head_dim; ++c) {
       const double scale = kv == 0 ? cache.k_scale_at(kv_head, c) : cache.v_scale_at(kv_head, c);
       out[c] = double(decoded[c]) * scale;
@@ -26,13 +26,13 @@ ExactResult exact_attention(const DecodeArgs& args, const KvRowSource& kv_rows) 
   const int hk = args.cache.geometry.num_kv_heads;
   const int hq = args.params.num_q_heads;
   const int g = hq / hk;
-  const int q_len = args.params.q_len;
   const int num_seqs = args.batch.num_seqs();
   const double softmax_scale = args.params.effective_softmax_scale(d);
+  const std::size_t rows = static_cast<std::size_t>(args.num_query_rows());
 
   ExactResult result;
-  result.o.assign(std::size_t(num_seqs) * q_len * hq * d, 0.0);
-  result.lse.assign(std::size_t(num_seqs) * q_len * hq, -std::numeric_limits<double>::infinity());
+  result.o.assign(rows * hq * d, 0.0);
+  result.lse.assign(rows * hq, -std::numeric_limits<double>::infinity());
 
   std::vector<double> k, v, s;
   for (int b = 0; b < num_seqs; ++b) {
@@ -45,11 +45,12 @@ ExactResult exact_attention(const DecodeArgs& args, const KvRowSource& kv_rows) 
         kv_rows(b, h, pos, 0, {&k[std::size_t(pos) * d], std::size_t(d)});
         kv_rows(b, h, pos, 1, {&v[std::size_t(pos) * d], std::size_t(d)});
       }
+      const int q_len = args.query_len(b);
       for (int t = 0; t < q_len; ++t) {
         const int visible = args.params.causal ? seq_len - q_len + t + 1 : seq_len;
         for (int j = 0; j < g; ++j) {
           const int head = h * g + j;
-          const std::size_t row = std::size_t(b) * q_len + t;
+          const std::size_t row = static_cast<std::size_t>(args.query_row(b, t));
           const float* q = args.q.data + row * args.q.token_stride + head * args.q.head_stride;
           s.assign(visible, 0.0);
           double max_s = -std::numeric_limits<double>::infinity();

@@ -20,8 +20,8 @@ using KvRowSource =
 KvRowSource kv_rows_from_cache(const KvCacheView& cache, const PagedBatch& batch);
 
 struct ExactResult {
-  std::vector<double> o;    // [num_seqs * q_len, Hq, D], dense
-  std::vector<double> lse;  // [num_seqs * q_len, Hq], natural log; -inf for empty rows
+  std::vector<double> o;    // [query rows (DecodeArgs::num_query_rows), Hq, D], dense
+  std::vector<double> lse;  // [query rows, Hq], natural log; -inf for empty rows
 };
 
 // softmax(softmax_scale * q . k) . v over the positions each query token may see (the causal or

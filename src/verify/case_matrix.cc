@@ -2,6 +2,7 @@
 #include "verify/case_matrix.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <random>
 #include <sstream>
@@ -60,6 +61,19 @@ Case make_case(Format format, Layout layout, int page, int d, int g, int q_len, 
     if (len % page == 0) ++len;
     return len;
   };
+  if (q_len == 0) {
+    // A ragged step, as a serving engine batches one: the tail of a chunked prefill (9-40 query
+    // tokens over a longer cache), a whole prompt (3-5 query tiles), and a decode, a query tile
+    // or a tile and one token; sometimes a sequence that has no query this step.
+    s.seq_lens = {length(longest / 2, longest), length(20, 40), length(kMaxQLen + 1, longest)};
+    s.query_lens = {std::min(s.seq_lens[0], 9 + int(rng() % 32)), s.seq_lens[1],
+                    std::array{1, kMaxQLen, kMaxQLen + 1}[rng() % 3]};
+    if (rng() % 2) {
+      s.seq_lens.push_back(length(1, page + 3));
+      s.query_lens.push_back(0);
+    }
+    return c;
+  }
   s.seq_lens = {length(longest / 2, longest), length(q_len, page + 3), length(q_len, longest)};
   if (rng() % 2) s.seq_lens.push_back(0);  // a padding request trailing the batch
   return c;
@@ -80,11 +94,16 @@ std::string Case::name() const {
   std::ostringstream os;
   const ProblemSpec& s = spec;
   os << to_string(s.format) << "/" << to_string(s.layout) << "/P" << s.page_size << "/D"
-     << s.head_dim << "/g" << s.group << "/q" << s.params.q_len << "/"
+     << s.head_dim << "/g" << s.group << "/"
+     << (s.params.q_len > 0 ? "q" + std::to_string(s.params.q_len) : std::string("ragged")) << "/"
      << (s.params.causal ? "causal" : "noncausal") << "/splits" << splits << "/T" << tile_tokens
      << "/Q" << to_string(s.params.q_mode) << "/P" << to_string(s.params.p_mode) << "/"
      << to_string(s.granularity) << (s.bf16_queries ? "/bf16queries" : "") << "/lens";
   for (int len : s.seq_lens) os << "_" << len;
+  if (!s.query_lens.empty()) {
+    os << "/queries";
+    for (int n : s.query_lens) os << "_" << n;
+  }
   os << "/seed" << s.seed;
   return os.str();
 }
@@ -92,6 +111,9 @@ std::string Case::name() const {
 std::vector<Case> case_matrix(bool quick, std::uint64_t seed) {
   std::vector<Case> cases;
   std::uint64_t index = 0;
+  std::uint64_t ragged = 0;
+  // Ragged cases draw their seeds from indices of their own, far from the decode cases'.
+  constexpr std::uint64_t kRaggedSeeds = std::uint64_t(1) << 40;
   if (quick) {
     // Every format x layout pair twice; the other axes cycle so each value of each appears.
     for (Format f : kAllFormats) {
@@ -102,6 +124,12 @@ std::vector<Case> case_matrix(bool quick, std::uint64_t seed) {
                                     kGroups[(i / 3) % 3], kQLens[(i / 5) % 3], (i / 7) % 2 == 0,
                                     kSplits[i % 2], mix(seed ^ mix(i))));
         }
+        // A ragged step (prefill and mixed query lengths) per format x layout, numbered on its
+        // own so the decode cases stay those of the matrix without them.
+        const auto r = ragged++;
+        cases.push_back(make_case(f, l, kPageSizes[r % 4], kHeadDims[(r / 2) % 3],
+                                  kGroups[(r / 3) % 3], 0, (r / 7) % 2 == 0, kSplits[r % 2],
+                                  mix(seed ^ mix(kRaggedSeeds + r))));
       }
     }
     return cases;
@@ -117,6 +145,17 @@ std::vector<Case> case_matrix(bool quick, std::uint64_t seed) {
                   cases.push_back(
                       make_case(f, l, page, d, g, q_len, causal, splits, mix(seed ^ mix(index++))));
                 }
+  // Ragged steps: every format x layout x D x g x causality, page size and splits cycling
+  // (each costs several query tiles, so not the whole product).
+  for (Format f : kAllFormats)
+    for (Layout l : kAllLayouts)
+      for (int d : kHeadDims)
+        for (int g : kGroups)
+          for (bool causal : {true, false}) {
+            const auto r = ragged++;
+            cases.push_back(make_case(f, l, kPageSizes[r % 4], d, g, 0, causal,
+                                      kSplits[(r / 4) % 2], mix(seed ^ mix(kRaggedSeeds + r))));
+          }
   return cases;
 }
 
@@ -144,8 +183,13 @@ CaseResult run_case(const Case& c, const Backend& backend) {
     options.fixed_splits = c.splits;
     options.max_splits = std::max(1, c.splits);
     options.tile_tokens = c.tile_tokens;
-    Plan plan(PlanCapacity{args.batch.num_seqs(), c.spec.num_kv_heads, options.max_splits});
-    make_plan(plan, args.batch.seq_lens, args.params.q_len, c.spec.num_kv_heads, options);
+    const StepShape step = args.step_shape();
+    Plan plan(PlanCapacity{
+        .max_seqs = args.batch.num_seqs(),
+        .num_kv_heads = c.spec.num_kv_heads,
+        .max_splits = options.max_splits,
+        .max_query_tiles = step.query_start.empty() ? 0 : query_tiles_needed(step.query_start)});
+    make_plan(plan, step, options);
 
     // The backend, with guard bytes around its workspace.
     constexpr std::size_t kWorkspaceGuard = 256;
@@ -166,7 +210,6 @@ CaseResult run_case(const Case& c, const Backend& backend) {
     // Check order: NaN / Inf, then padding rows, then values.
     const int d = c.spec.head_dim;
     const int hq = args.params.num_q_heads;
-    const int q_len = args.params.q_len;
     for (std::size_t i = 0; i < o.size(); ++i) {
       if (!std::isfinite(o[i])) {
         std::ostringstream os;
@@ -177,19 +220,20 @@ CaseResult run_case(const Case& c, const Backend& backend) {
     }
     for (int b = 0; b < args.batch.num_seqs(); ++b) {
       const bool padding = args.batch.seq_lens[b] == 0;
-      for (int t = 0; t < q_len; ++t) {
+      for (int t = 0; t < args.query_len(b); ++t) {
+        const std::int64_t row = args.query_row(b, t);
         for (int h = 0; h < hq; ++h) {
-          const float x = lse[(std::size_t(b) * q_len + t) * hq + h];
+          const float x = lse[std::size_t(row) * hq + h];
           if (padding != std::isinf(x) || std::isnan(x)) {
             std::ostringstream os;
-            os << "lse[" << b * q_len + t << "][" << h << "] is " << x
+            os << "lse[" << row << "][" << h << "] is " << x
                << (padding ? " for a padding request (want -inf)" : " (want finite)");
             return fail(os.str());
           }
         }
         if (padding) {
           for (int i = 0; i < hq * d; ++i) {
-            if (o[(std::size_t(b) * q_len + t) * hq * d + i] != 0.0f) {
+            if (o[std::size_t(row) * hq * d + i] != 0.0f) {
               return fail("padding request " + std::to_string(b) + " has non-zero output");
             }
           }

@@ -19,9 +19,11 @@ struct Case {
 };
 
 // Every format x layout x page size {16,32,64,128} x D {64,128,256} x g {1,4,8} x q_len {1,2,4}
-// x causal/non-causal x splits {1, several}; numerics modes, scale granularity, padding,
-// sequence lengths (not multiples of the page size) and shuffled tables vary with the seed.
-// `quick` keeps a covering subset (every value of every axis, pairs of format x layout).
+// x causal/non-causal x splits {1, several}; then ragged steps (prefill, chunked prefill and
+// decodes in one batch: q_len 0 with query_lens) for every format x layout x D x g x causality.
+// Numerics modes, scale granularity, padding, sequence lengths (not multiples of the page size)
+// and shuffled tables vary with the seed. `quick` keeps a covering subset (every value of every
+// axis, pairs of format x layout, and a ragged step per pair).
 std::vector<Case> case_matrix(bool quick, std::uint64_t seed);
 
 struct CaseResult {

@@ -129,17 +129,25 @@ Problem::Problem(const ProblemSpec& spec) : spec_(spec) {
     for (auto& part : kv) original_.insert(original_.end(), part.begin(), part.end());
   }
 
-  const std::size_t q_floats =
-      std::size_t(num_seqs) * spec.params.q_len * spec_.params.num_q_heads * d;
+  std::size_t rows = std::size_t(num_seqs) * spec.params.q_len;
+  if (!spec.query_lens.empty()) {
+    MJOLNIR_REQUIRE(spec.query_lens.size() == spec.seq_lens.size(),
+                    "query_lens: ", spec.query_lens.size(), " entries for ", num_seqs,
+                    " sequences");
+    MJOLNIR_REQUIRE(spec.params.q_len == 0, "query_lens: given with q_len ", spec.params.q_len,
+                    " (a ragged step has q_len 0)");
+    query_start_.assign(1, 0);
+    for (int n : spec.query_lens) query_start_.push_back(query_start_.back() + n);
+    rows = std::size_t(query_start_.back());
+  }
+  const std::size_t q_floats = rows * spec_.params.num_q_heads * d;
   q_.resize(q_floats);
   for (float& x : q_) {
     x = normal(rng);
     if (spec_.bf16_queries) x = decode_minifloat<kBf16Spec>(encode_minifloat<kBf16Spec>(x));
   }
   o_.assign(q_floats + 2 * kGuardFloats, kOutputSentinel);
-  lse_.assign(
-      std::size_t(num_seqs) * spec.params.q_len * spec_.params.num_q_heads + 2 * kGuardFloats,
-      kOutputSentinel);
+  lse_.assign(rows * spec_.params.num_q_heads + 2 * kGuardFloats, kOutputSentinel);
 }
 
 KvCacheView Problem::cache() const {
@@ -155,7 +163,7 @@ KvCacheView Problem::cache() const {
 }
 
 PagedBatch Problem::batch() const {
-  return PagedBatch{block_table_, max_pages_per_seq_, spec_.seq_lens};
+  return PagedBatch{block_table_, max_pages_per_seq_, spec_.seq_lens, query_start_};
 }
 
 DecodeArgs Problem::args() {

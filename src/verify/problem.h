@@ -21,9 +21,12 @@ struct ProblemSpec {
   int group = 4;        // g = Hq / Hk
   DecodeParams params;  // q_len, causal, modes; num_q_heads is filled in from Hk * group
   std::vector<std::int32_t> seq_lens;  // 0 = padding request
-  int extra_pages = 0;                 // unused pages added to the pool (and block table slack)
-  bool shuffle_pages = true;           // block tables map to a shuffled page order
-  bool keep_original_kv = true;        // keep the float K/V for the exact reference (tests, verify)
+  // A ragged step (params.q_len 0): each sequence's query tokens, at most its seq_len (prefill:
+  // all of them, chunked prefill: the last few, decode: 1, or 0). Empty: params.q_len each.
+  std::vector<std::int32_t> query_lens;
+  int extra_pages = 0;           // unused pages added to the pool (and block table slack)
+  bool shuffle_pages = true;     // block tables map to a shuffled page order
+  bool keep_original_kv = true;  // keep the float K/V for the exact reference (tests, verify)
   // 0: every position of a sequence is drawn. N > 0: only the first N positions are, and
   // position p holds the K/V of p % N. Every page is still its own memory, so the bench's long
   // caches read the same bytes as distinct data would, without minutes of drawing and gigabytes
@@ -45,8 +48,8 @@ class Problem {
   const ProblemSpec& spec() const { return spec_; }
   // Arguments for one decode step writing into this problem's o / lse buffers.
   DecodeArgs args();
-  std::span<const float> output() const;  // [num_seqs * q_len, Hq, D], dense
-  std::span<const float> lse() const;     // [num_seqs * q_len, Hq]
+  std::span<const float> output() const;  // [query rows, Hq, D], dense
+  std::span<const float> lse() const;     // [query rows, Hq]
   const std::vector<float>& query() const { return q_; }
   KvCacheView cache() const;
   PagedBatch batch() const;
@@ -67,6 +70,7 @@ class Problem {
   std::vector<std::byte> pool_;
   std::vector<float> k_scale_, v_scale_;
   std::vector<std::int32_t> block_table_;
+  std::vector<std::int32_t> query_start_;  // [num_seqs + 1] for a ragged step, else empty
   int max_pages_per_seq_ = 0;
   std::vector<float> q_, o_, lse_;
   std::vector<float> original_;               // [seq][position][head][kv][D] when kept
