@@ -3,6 +3,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -145,12 +146,28 @@ class Backend {
 // Most CPU worker threads a backend accepts (BackendOptions::threads).
 inline constexpr int kMaxCpuThreads = 4096;
 
-struct BackendOptions {
-  int threads = 0;  // CPU: worker threads, 0 = all cores; at most kMaxCpuThreads
+// Where the CPU backend runs its work: threads of its own by default, or a host program's
+// (a serving engine's intra-op thread pool, so that the two do not fight over the cores).
+class Executor {
+ public:
+  virtual ~Executor() = default;
+  // Threads that may run at once: the worker indices fn sees are in [0, workers()).
+  virtual int workers() const = 0;
+  // Calls fn(index, worker) once for every index in [0, count) and returns when all are done;
+  // two calls that run at the same time never share a worker index. Rethrows an exception that
+  // fn threw.
+  virtual void parallel_for(std::int64_t count,
+                            const std::function<void(std::int64_t, int)>& fn) = 0;
 };
 
-// "reference" (the emulator), "cpu", "cuda" (when compiled). Throws Error for unknown names and
-// for options.threads outside [0, kMaxCpuThreads].
+struct BackendOptions {
+  int threads = 0;  // CPU: worker threads, 0 = all cores; at most kMaxCpuThreads
+  // CPU: run on this executor instead of threads of its own (threads must then be 0).
+  std::shared_ptr<Executor> executor;
+};
+
+// "reference" (the emulator), "cpu", "cuda" (when compiled). Throws Error for unknown names, for
+// options.threads outside [0, kMaxCpuThreads] and for threads given with an executor.
 std::unique_ptr<Backend> make_backend(std::string_view name, const BackendOptions& options = {});
 // Names of the backends compiled into this build, in preference order.
 std::vector<std::string> compiled_backends();

@@ -212,6 +212,9 @@ std::unique_ptr<Backend> make_backend(std::string_view name, const BackendOption
   MJOLNIR_REQUIRE(options.threads >= 0 && options.threads <= kMaxCpuThreads,
                   "options.threads: ", options.threads, " is outside [0, ", kMaxCpuThreads,
                   "] (0 = every core)");
+  MJOLNIR_REQUIRE(options.threads == 0 || options.executor == nullptr,
+                  "options.threads: ", options.threads,
+                  " with an executor, whose workers are the threads (leave it 0)");
   if (name == "cpu") return cpu::make_cpu_backend(options);
   if (name == "reference") return reference::make_emulator_backend();
 #if MJOLNIR_HAS_CUDA

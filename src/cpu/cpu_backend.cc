@@ -88,30 +88,33 @@ constexpr std::int64_t kParallelMergeFloats = 1 << 16;
 
 class CpuBackend final : public Backend {
  public:
-  explicit CpuBackend(int threads)
-      : pool_(threads > 0 ? threads : hardware_threads()), scratch_(pool_.size()) {}
+  explicit CpuBackend(std::shared_ptr<Executor> executor) : executor_(std::move(executor)) {}
 
   std::string_view name() const override { return "cpu"; }
   std::string unsupported_reason(const CacheGeometry&, const DecodeParams&) const override {
     return {};
   }
-  int workers() const override { return pool_.size(); }
+  int workers() const override { return executor_->workers(); }
 
   std::size_t workspace_bytes(const Plan& plan, const CacheGeometry& geometry,
                               const DecodeParams& params) const override {
     // The plan's split partials, then the token parts of chunks cut for the threads.
     const PartialLayout parts = partial_layout(geometry, params);
     return Backend::workspace_bytes(plan, geometry, params) +
-           (parts.o_floats(max_part_slots(pool_.size())) +
-            2 * parts.lse_floats(max_part_slots(pool_.size()))) *
+           (parts.o_floats(max_part_slots(workers())) +
+            2 * parts.lse_floats(max_part_slots(workers()))) *
                sizeof(float);
   }
 
   void run(const DecodeArgs& args, const Plan& plan,
            std::span<std::byte> workspace) const override {
     check_run(args, plan, workspace);
-    // The pool and scratch serve one call at a time; concurrent callers wait their turn.
+    // The executor and scratch serve one call at a time; concurrent callers wait their turn.
     std::lock_guard lock(run_mutex_);
+    // An executor's workers may change between calls (a host pool resized): check_run measured
+    // the workspace against today's count, and every worker gets scratch.
+    const int threads = workers();
+    if (scratch_.size() < std::size_t(threads)) scratch_.resize(threads);
     const int d = args.cache.geometry.head_dim;
     const int hk = args.cache.geometry.num_kv_heads;
     const int g = args.params.num_q_heads / hk;
@@ -121,7 +124,7 @@ class CpuBackend final : public Backend {
     float* partial_lse = partial_o + layout.o_floats(slots);
     // Token parts: the same layout, slot = part slot, head = the item's KV head.
     float* part_o = partial_lse + layout.lse_floats(slots);
-    float* part_stats = part_o + layout.o_floats(max_part_slots(pool_.size()));  // {m, l} per row
+    float* part_stats = part_o + layout.o_floats(max_part_slots(threads));  // {m, l} per row
 
     // Where item `i`'s row r goes: the output, or its split partial slot.
     const auto destination = [&](const WorkItem& item, int r, float*& o, float*& lse) {
@@ -134,37 +137,38 @@ class CpuBackend final : public Backend {
       }
     };
 
-    make_units(plan, pool_.size(), args.params.p_mode == PMode::fp32, schedule_);
-    pool_.parallel_for(std::int64_t(schedule_.units.size()), [&](std::int64_t index, int worker) {
-      const WorkUnit& unit = schedule_.units[index];
-      const int rows = plan.items[unit.first_item].q_count * g;
-      WorkerScratch& s = scratch_[worker];
-      s.items.assign(plan.items.begin() + unit.first_item,
-                     plan.items.begin() + unit.first_item + unit.heads);
-      s.o_rows.resize(std::size_t(rows) * unit.heads);
-      s.lse_rows.resize(std::size_t(rows) * unit.heads);
-      s.stats_rows.resize(std::size_t(rows) * unit.heads);
-      s.outs.resize(unit.heads);
-      for (int h = 0; h < unit.heads; ++h) {
-        WorkItem& item = s.items[h];
-        item.kv_begin = unit.kv_begin;
-        item.kv_end = unit.kv_end;
-        float** o_rows = &s.o_rows[std::size_t(h) * rows];
-        float** lse_rows = &s.lse_rows[std::size_t(h) * rows];
-        float** stats_rows = &s.stats_rows[std::size_t(h) * rows];
-        for (int r = 0; r < rows; ++r) {
-          if (unit.part_slot < 0) {
-            destination(item, r, o_rows[r], lse_rows[r]);
-          } else {
-            o_rows[r] = part_o + layout.o_offset(unit.part_slot, item.kv_head, r);
-            lse_rows[r] = nullptr;
-            stats_rows[r] = part_stats + 2 * layout.lse_offset(unit.part_slot, item.kv_head, r);
+    make_units(plan, threads, args.params.p_mode == PMode::fp32, schedule_);
+    executor_->parallel_for(
+        std::int64_t(schedule_.units.size()), [&](std::int64_t index, int worker) {
+          const WorkUnit& unit = schedule_.units[index];
+          const int rows = plan.items[unit.first_item].q_count * g;
+          WorkerScratch& s = scratch_[worker];
+          s.items.assign(plan.items.begin() + unit.first_item,
+                         plan.items.begin() + unit.first_item + unit.heads);
+          s.o_rows.resize(std::size_t(rows) * unit.heads);
+          s.lse_rows.resize(std::size_t(rows) * unit.heads);
+          s.stats_rows.resize(std::size_t(rows) * unit.heads);
+          s.outs.resize(unit.heads);
+          for (int h = 0; h < unit.heads; ++h) {
+            WorkItem& item = s.items[h];
+            item.kv_begin = unit.kv_begin;
+            item.kv_end = unit.kv_end;
+            float** o_rows = &s.o_rows[std::size_t(h) * rows];
+            float** lse_rows = &s.lse_rows[std::size_t(h) * rows];
+            float** stats_rows = &s.stats_rows[std::size_t(h) * rows];
+            for (int r = 0; r < rows; ++r) {
+              if (unit.part_slot < 0) {
+                destination(item, r, o_rows[r], lse_rows[r]);
+              } else {
+                o_rows[r] = part_o + layout.o_offset(unit.part_slot, item.kv_head, r);
+                lse_rows[r] = nullptr;
+                stats_rows[r] = part_stats + 2 * layout.lse_offset(unit.part_slot, item.kv_head, r);
+              }
+            }
+            s.outs[h] = ItemOutput{o_rows, lse_rows, unit.part_slot < 0 ? nullptr : stats_rows};
           }
-        }
-        s.outs[h] = ItemOutput{o_rows, lse_rows, unit.part_slot < 0 ? nullptr : stats_rows};
-      }
-      run_work_unit(args, plan, s.items.data(), unit.heads, s.kernel, s.outs.data());
-    });
+          run_work_unit(args, plan, s.items.data(), unit.heads, s.kernel, s.outs.data());
+        });
 
     // Token parts of cut chunks merge into their items' destinations: one task per KV head.
     std::vector<std::pair<int, int>>& tasks = tasks_;
@@ -178,7 +182,7 @@ class CpuBackend final : public Backend {
       if (std::int64_t(tasks.size()) * merge_floats < kParallelMergeFloats) {
         for (std::size_t i = 0; i < tasks.size(); ++i) merge(std::int64_t(i), 0);
       } else {
-        pool_.parallel_for(std::int64_t(tasks.size()), merge);
+        executor_->parallel_for(std::int64_t(tasks.size()), merge);
       }
     };
     run_merges([&](std::int64_t index, int) {
@@ -224,7 +228,7 @@ class CpuBackend final : public Backend {
     std::vector<float*> o_rows, lse_rows, stats_rows;
     std::vector<ItemOutput> outs;
   };
-  mutable ThreadPool pool_;
+  std::shared_ptr<Executor> executor_;
   mutable std::vector<WorkerScratch> scratch_;
   mutable UnitSchedule schedule_;
   mutable std::vector<std::pair<int, int>> tasks_;
@@ -234,7 +238,12 @@ class CpuBackend final : public Backend {
 }  // namespace
 
 std::unique_ptr<Backend> make_cpu_backend(const BackendOptions& options) {
-  return std::make_unique<CpuBackend>(options.threads);
+  std::shared_ptr<Executor> executor = options.executor;
+  if (!executor) {
+    executor =
+        std::make_shared<ThreadPool>(options.threads > 0 ? options.threads : hardware_threads());
+  }
+  return std::make_unique<CpuBackend>(std::move(executor));
 }
 
 }  // namespace mjolnir::cpu

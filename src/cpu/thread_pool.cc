@@ -1,7 +1,14 @@
 #include "cpu/thread_pool.h"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <condition_variable>
+#include <exception>
+#include <thread>
+#include <vector>
 
 namespace mjolnir::cpu {
 
@@ -27,78 +34,118 @@ bool spin_while(Busy busy) {
 
 int hardware_threads() { return std::max(1u, std::thread::hardware_concurrency()); }
 
-ThreadPool::ThreadPool(int threads) : threads_(std::max(1, threads)) {
-  for (int w = 1; w < threads_; ++w) workers_.emplace_back([this, w] { worker_loop(w); });
-}
+struct ThreadPool::Crew {
+  explicit Crew(int threads) : threads(threads) {
+    for (int w = 1; w < threads; ++w) workers.emplace_back([this, w] { worker_loop(w); });
+  }
+  ~Crew() {
+    {
+      std::lock_guard lock(mutex);
+      stop.store(true);
+    }
+    wake.notify_all();
+    for (std::thread& t : workers) t.join();
+  }
+
+  void run_share(int worker) {
+    for (;;) {
+      const std::int64_t i = next.fetch_add(1, std::memory_order_relaxed);
+      if (i >= count) return;
+      try {
+        (*fn)(i, worker);
+      } catch (...) {
+        std::lock_guard lock(error_mutex);
+        if (!error) error = std::current_exception();
+        next.store(count, std::memory_order_relaxed);  // stop handing out work
+      }
+    }
+  }
+
+  void worker_loop(int worker) {
+    std::uint64_t seen = 0;
+    for (;;) {
+      const auto idle = [&] {
+        return generation.load(std::memory_order_acquire) == seen && !stop.load();
+      };
+      if (!spin_while(idle)) {
+        std::unique_lock lock(mutex);
+        wake.wait(lock, [&] { return !idle(); });
+      }
+      if (stop.load()) return;
+      seen = generation.load(std::memory_order_acquire);
+      run_share(worker);
+      if (active.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+        std::lock_guard lock(mutex);  // the caller may be between its check and its wait
+        done.notify_one();
+      }
+    }
+  }
+
+  void parallel_for(std::int64_t n, const std::function<void(std::int64_t, int)>& f) {
+    std::lock_guard call(call_mutex);
+    if (threads == 1 || n == 1) {
+      for (std::int64_t i = 0; i < n; ++i) f(i, 0);
+      return;
+    }
+    fn = &f;
+    count = n;
+    next.store(0, std::memory_order_relaxed);
+    error = nullptr;
+    active.store(threads - 1, std::memory_order_relaxed);
+    {
+      std::lock_guard lock(mutex);  // sleeping workers check the generation under it
+      generation.fetch_add(1, std::memory_order_release);
+    }
+    wake.notify_all();
+    run_share(0);
+    const auto working = [&] { return active.load(std::memory_order_acquire) != 0; };
+    if (!spin_while(working)) {
+      std::unique_lock lock(mutex);
+      done.wait(lock, [&] { return !working(); });
+    }
+    if (error) std::rethrow_exception(error);
+  }
+
+  const int threads;
+  std::vector<std::thread> workers;
+  std::mutex call_mutex;  // one parallel_for at a time
+  std::mutex mutex;       // guards sleeping and waking
+  std::condition_variable wake, done;
+  std::atomic<std::uint64_t> generation{0};
+  std::atomic<int> active{0};
+  std::atomic<bool> stop{false};
+  const std::function<void(std::int64_t, int)>* fn = nullptr;
+  std::int64_t count = 0;
+  std::atomic<std::int64_t> next{0};
+  std::exception_ptr error;
+  std::mutex error_mutex;
+};
+
+ThreadPool::ThreadPool(int threads) : threads_(std::max(1, threads)) {}
 
 ThreadPool::~ThreadPool() {
-  {
-    std::lock_guard lock(mutex_);
-    stop_.store(true);
-  }
-  wake_.notify_all();
-  for (std::thread& t : workers_) t.join();
+  // A crew inherited through fork() has no threads in this process to stop or join.
+  if (crew_ && crew_pid_ != ::getpid()) (void)crew_.release();
 }
 
-void ThreadPool::run_share(int worker) {
-  for (;;) {
-    const std::int64_t i = next_.fetch_add(1, std::memory_order_relaxed);
-    if (i >= count_) return;
-    try {
-      (*fn_)(i, worker);
-    } catch (...) {
-      std::lock_guard lock(error_mutex_);
-      if (!error_) error_ = std::current_exception();
-      next_.store(count_, std::memory_order_relaxed);  // stop handing out work
-    }
+ThreadPool::Crew& ThreadPool::crew() {
+  const int pid = ::getpid();
+  std::lock_guard lock(crew_mutex_);
+  if (!crew_ || crew_pid_ != pid) {
+    // After fork() the child has only the forking thread: the parent's crew is memory without
+    // threads, whose locks may even be held. It is left as it is (a few hundred bytes) and
+    // this process gets threads of its own.
+    if (crew_) (void)crew_.release();
+    crew_ = std::make_unique<Crew>(threads_);
+    crew_pid_ = pid;
   }
-}
-
-void ThreadPool::worker_loop(int worker) {
-  std::uint64_t seen = 0;
-  for (;;) {
-    const auto idle = [&] {
-      return generation_.load(std::memory_order_acquire) == seen && !stop_.load();
-    };
-    if (!spin_while(idle)) {
-      std::unique_lock lock(mutex_);
-      wake_.wait(lock, [&] { return !idle(); });
-    }
-    if (stop_.load()) return;
-    seen = generation_.load(std::memory_order_acquire);
-    run_share(worker);
-    if (active_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
-      std::lock_guard lock(mutex_);  // the caller may be between its check and its wait
-      done_.notify_one();
-    }
-  }
+  return *crew_;
 }
 
 void ThreadPool::parallel_for(std::int64_t count,
                               const std::function<void(std::int64_t, int)>& fn) {
   if (count <= 0) return;
-  std::lock_guard call(call_mutex_);
-  if (threads_ == 1 || count == 1) {
-    for (std::int64_t i = 0; i < count; ++i) fn(i, 0);
-    return;
-  }
-  fn_ = &fn;
-  count_ = count;
-  next_.store(0, std::memory_order_relaxed);
-  error_ = nullptr;
-  active_.store(threads_ - 1, std::memory_order_relaxed);
-  {
-    std::lock_guard lock(mutex_);  // sleeping workers check the generation under it
-    generation_.fetch_add(1, std::memory_order_release);
-  }
-  wake_.notify_all();
-  run_share(0);
-  const auto working = [&] { return active_.load(std::memory_order_acquire) != 0; };
-  if (!spin_while(working)) {
-    std::unique_lock lock(mutex_);
-    done_.wait(lock, [&] { return !working(); });
-  }
-  if (error_) std::rethrow_exception(error_);
+  crew().parallel_for(count, fn);
 }
 
 }  // namespace mjolnir::cpu

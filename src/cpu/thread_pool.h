@@ -1,55 +1,45 @@
-// A fixed set of worker threads that run index ranges; the CPU backend's only threading.
+// A fixed set of worker threads that run index ranges: the CPU backend's own Executor.
 #pragma once
 
-#include <atomic>
-#include <condition_variable>
 #include <cstdint>
-#include <exception>
 #include <functional>
+#include <memory>
 #include <mutex>
-#include <thread>
-#include <vector>
+
+#include "mjolnir/decode.h"
 
 namespace mjolnir::cpu {
 
-class ThreadPool {
+class ThreadPool final : public Executor {
  public:
-  // `threads` workers in total, the calling thread included (threads - 1 are spawned).
+  // `threads` workers in total, the calling thread included (threads - 1 are spawned, on the
+  // first parallel_for of each process: a pool made before fork() works in the child).
   explicit ThreadPool(int threads);
-  ~ThreadPool();
+  ~ThreadPool() override;
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
 
-  int size() const { return threads_; }
+  int workers() const override { return threads_; }
 
   // Calls fn(index, worker) for every index in [0, count), handing indices out dynamically so
-  // uneven items balance; worker in [0, size()) identifies per-thread scratch. Blocks until
+  // uneven items balance; worker in [0, workers()) identifies per-thread scratch. Blocks until
   // all are done; rethrows the first exception an fn threw. Calls are serialized.
   //
   // Workers spin for a short while (kSpinMicros) before sleeping, and so does the caller while
   // it waits for them: a decode step of a short context takes tens of microseconds, about what
   // waking a sleeping thread costs, and serving loops call once per layer back to back.
-  void parallel_for(std::int64_t count, const std::function<void(std::int64_t, int)>& fn);
+  void parallel_for(std::int64_t count, const std::function<void(std::int64_t, int)>& fn) override;
 
   static constexpr int kSpinMicros = 100;
 
  private:
-  void worker_loop(int worker);
-  void run_share(int worker);
+  struct Crew;  // the spawned threads of one process and what they synchronize on
+  Crew& crew();
 
   int threads_;
-  std::vector<std::thread> workers_;
-  std::mutex call_mutex_;  // one parallel_for at a time
-  std::mutex mutex_;       // guards sleeping and waking
-  std::condition_variable wake_, done_;
-  std::atomic<std::uint64_t> generation_{0};
-  std::atomic<int> active_{0};
-  std::atomic<bool> stop_{false};
-  const std::function<void(std::int64_t, int)>* fn_ = nullptr;
-  std::int64_t count_ = 0;
-  std::atomic<std::int64_t> next_{0};
-  std::exception_ptr error_;
-  std::mutex error_mutex_;
+  std::mutex crew_mutex_;  // guards creating the crew
+  std::unique_ptr<Crew> crew_;
+  int crew_pid_ = 0;  // the process whose threads crew_ holds
 };
 
 // Number of hardware threads, at least 1.
