@@ -1,6 +1,7 @@
 """mjolnir: paged decode attention over low-bit KV caches, as PyTorch ops and a vLLM plugin.
 
-Importing the package registers torch.ops.mjolnir.{decode, decode_into, write_kv, plan}.
+Importing the package registers torch.ops.mjolnir.{write_kv, decode, decode_into, plan_step,
+attend, plan}.
 See docs/python.md.
 """
 
@@ -10,7 +11,7 @@ import torch  # noqa: F401  (the ops below register with torch.library)
 
 from . import _ext
 from .config import AttnConfig
-from .ops import DEFAULT_LAYOUT, cache_description, decode, decode_into, plan, write_kv
+from .ops import DEFAULT_LAYOUT, attend, decode, decode_into, plan, plan_step, write_kv
 
 __version__ = _ext.__version__
 has_cuda = _ext.has_cuda
@@ -30,7 +31,7 @@ def register() -> bool:
 
 
 __all__ = [
-    "AttnConfig", "DEFAULT_LAYOUT", "cache_description", "compiled_backends", "decode",
-    "decode_into", "format_max", "formats", "has_cuda", "layouts", "plan", "register",
+    "AttnConfig", "DEFAULT_LAYOUT", "attend", "compiled_backends", "decode", "decode_into",
+    "format_max", "formats", "has_cuda", "layouts", "plan", "plan_step", "register",
     "row_bytes", "write_kv",
 ]

@@ -1,7 +1,7 @@
-// mjolnir._ext: the nanobind binding under the Python package. It takes raw addresses (torch's
-// data_ptr()) plus shapes and strides that python/mjolnir/ops.py has already checked against the
-// tensors, fills the C++ API's views and calls it. mjolnir::Error becomes ValueError (its message
-// names the argument); the GIL is released while kernels run.
+// mjolnir._ext: the extension module under the Python package. Loading it registers the torch
+// operators of csrc/torch_ops.cpp (torch.ops.mjolnir.*); this file binds, with nanobind, what
+// is not an operator: format facts, the row codecs, the planner's items. mjolnir::Error becomes
+// ValueError (its message names the argument).
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/string_view.h>
@@ -25,11 +25,7 @@
 #include "mjolnir/plan.h"
 #include "mjolnir/write_kv.h"
 
-#if MJOLNIR_PY_CUDA
-#include <cuda_runtime.h>
-
-#include "cuda/cuda_decode.h"
-#endif
+#include "csrc/tensor_views.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -40,134 +36,6 @@ namespace {
 template <typename T>
 T* as_ptr(std::uintptr_t address) {
   return reinterpret_cast<T*>(address);
-}
-
-// Backends own thread pools (CPU) or device state (CUDA): keep one per (name, threads).
-const Backend& backend_for(const std::string& name, int threads) {
-  static std::mutex mutex;
-  static std::map<std::pair<std::string, int>, std::unique_ptr<Backend>> backends;
-  std::lock_guard lock(mutex);
-  auto& slot = backends[{name, threads}];
-  if (!slot) {
-    slot = make_backend(name, BackendOptions{.threads = threads});
-    const std::string why = slot->unavailable_reason();
-    if (!why.empty()) {
-      slot.reset();
-      detail::throw_error("backend: '", name, "' is not usable here: ", why);
-    }
-  }
-  return *slot;
-}
-
-KvCacheView make_cache(const std::string& format, int num_pages, int page_size, int num_kv_heads,
-                       int head_dim,
-                       std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t> strides,
-                       std::uintptr_t data, std::size_t bytes, const std::string& granularity,
-                       std::uintptr_t k_scale, std::uintptr_t v_scale, std::size_t scale_count) {
-  KvCacheView cache;
-  cache.geometry = CacheGeometry{.format = parse_format(format, "kv_format"),
-                                 .num_pages = num_pages,
-                                 .page_size = page_size,
-                                 .num_kv_heads = num_kv_heads,
-                                 .head_dim = head_dim};
-  cache.strides = CacheStrides{std::get<0>(strides), std::get<1>(strides), std::get<2>(strides),
-                               std::get<3>(strides)};
-  cache.data = as_ptr<std::byte>(data);
-  cache.bytes = bytes;
-  cache.granularity = parse_granularity(granularity, "k_scale");
-  cache.k_scale = {as_ptr<const float>(k_scale), scale_count};
-  cache.v_scale = {as_ptr<const float>(v_scale), scale_count};
-  return cache;
-}
-
-using Strides4 = std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t>;
-
-void decode_step(const std::string& backend_name, int threads, const std::string& format,
-                 int num_pages, int page_size, int num_kv_heads, int head_dim, Strides4 strides,
-                 std::uintptr_t cache_data, std::size_t cache_bytes, const std::string& granularity,
-                 std::uintptr_t k_scale, std::uintptr_t v_scale, std::size_t scale_count,
-                 std::uintptr_t block_table, int num_seqs, int max_pages_per_seq,
-                 std::uintptr_t seq_lens, std::uintptr_t q, std::int64_t q_token_stride,
-                 std::int64_t q_head_stride, std::uintptr_t o, std::int64_t o_token_stride,
-                 std::int64_t o_head_stride, std::uintptr_t lse, int q_len, int num_q_heads,
-                 bool causal, float softmax_scale, const std::string& q_mode,
-                 const std::string& p_mode, int max_splits) {
-  DecodeArgs args;
-  args.cache = make_cache(format, num_pages, page_size, num_kv_heads, head_dim, strides, cache_data,
-                          cache_bytes, granularity, k_scale, v_scale, scale_count);
-  args.batch.block_table = {as_ptr<const std::int32_t>(block_table),
-                            std::size_t(num_seqs) * std::size_t(max_pages_per_seq)};
-  args.batch.max_pages_per_seq = max_pages_per_seq;
-  args.batch.seq_lens = {as_ptr<const std::int32_t>(seq_lens), std::size_t(num_seqs)};
-  args.params.q_len = q_len;
-  args.params.num_q_heads = num_q_heads;
-  args.params.causal = causal;
-  args.params.softmax_scale = softmax_scale;
-  args.params.q_mode = parse_q_mode(q_mode);
-  args.params.p_mode = parse_p_mode(p_mode);
-  args.q = {as_ptr<const float>(q), q_token_stride, q_head_stride};
-  args.o = {as_ptr<float>(o), o_token_stride, o_head_stride};
-  if (lse != 0) args.lse = {as_ptr<float>(lse), std::size_t(num_seqs) * q_len * num_q_heads};
-
-  const Backend& backend = backend_for(backend_name, threads);
-  nb::gil_scoped_release release;
-  PlanOptions options;
-  options.max_splits = max_splits;
-  if (backend_name != "cuda") {
-    decode(backend, args, options);
-    return;
-  }
-#if MJOLNIR_PY_CUDA
-  validate(args);
-  const std::string why = backend.unsupported_reason(args.cache.geometry, args.params);
-  MJOLNIR_REQUIRE(why.empty(), "backend cuda: ", why);
-  options.workers = backend.workers();
-  options.max_splits = effective_max_splits(options, num_seqs, num_kv_heads);
-  Plan plan(PlanCapacity{num_seqs, num_kv_heads, std::max(1, options.max_splits)});
-  make_plan(plan, args.batch.seq_lens, q_len, num_kv_heads, options);
-  const std::size_t bytes = backend.workspace_bytes(plan, args.cache.geometry, args.params);
-  void* workspace = nullptr;
-  if (bytes > 0 && cudaMalloc(&workspace, bytes) != cudaSuccess) {
-    detail::throw_error("workspace: cudaMalloc of ", bytes, " bytes failed");
-  }
-  try {
-    backend.run(args, plan, {static_cast<std::byte*>(workspace), bytes});
-  } catch (...) {
-    cudaFree(workspace);
-    throw;
-  }
-  cudaFree(workspace);
-#else
-  detail::throw_error("backend: this build of mjolnir has no CUDA backend");
-#endif
-}
-
-void write_kv_rows(const std::string& device, const std::string& format, int num_pages,
-                   int page_size, int num_kv_heads, int head_dim, Strides4 strides,
-                   std::uintptr_t cache_data, std::size_t cache_bytes,
-                   const std::string& granularity, std::uintptr_t k_scale, std::uintptr_t v_scale,
-                   std::size_t scale_count, std::uintptr_t k, std::int64_t k_token_stride,
-                   std::int64_t k_head_stride, std::uintptr_t v, std::int64_t v_token_stride,
-                   std::int64_t v_head_stride, std::uintptr_t slot_mapping, int num_tokens,
-                   std::uintptr_t stream) {
-  const KvCacheView cache =
-      make_cache(format, num_pages, page_size, num_kv_heads, head_dim, strides, cache_data,
-                 cache_bytes, granularity, k_scale, v_scale, scale_count);
-  const TokenRows k_rows{as_ptr<const float>(k), k_token_stride, k_head_stride};
-  const TokenRows v_rows{as_ptr<const float>(v), v_token_stride, v_head_stride};
-  nb::gil_scoped_release release;
-  if (device == "cpu") {
-    write_kv(cache, k_rows, v_rows,
-             {as_ptr<const std::int64_t>(slot_mapping), std::size_t(num_tokens)});
-    return;
-  }
-#if MJOLNIR_PY_CUDA
-  cuda::write_kv(cache, k_rows, v_rows, as_ptr<const std::int64_t>(slot_mapping), num_tokens,
-                 reinterpret_cast<cudaStream_t>(stream));
-#else
-  (void)stream;
-  detail::throw_error("kv_cache: on device '", device, "', but this build has no CUDA backend");
-#endif
 }
 
 // The plan as rows (seq, kv_head, kv_begin, kv_end, split, partial_slot).
@@ -222,7 +90,7 @@ nb::bytes encode_row_values(const std::string& format, const std::vector<float>&
 NB_MODULE(_ext, m) {
   using namespace mjolnir;
   using namespace mjolnir::python;
-  m.doc() = "mjolnir C++ library binding (raw addresses; use mjolnir.ops / torch.ops.mjolnir)";
+  m.doc() = "mjolnir C++ library binding (the operators: torch.ops.mjolnir)";
   m.attr("__version__") = MJOLNIR_VERSION_STRING;
   m.attr("has_cuda") = bool(MJOLNIR_PY_CUDA);
 
@@ -268,22 +136,11 @@ NB_MODULE(_ext, m) {
   m.def(
       "workers",
       [](const std::string& backend, int threads) {
-        return backend_for(backend, threads).workers();
+        return backend_for(c10::Device(c10::kCPU), backend, threads).workers();
       },
       "backend"_a, "threads"_a = 0);
   m.def("decode_row", &decode_row_bytes, "kv_format"_a, "row"_a, "head_dim"_a);
   m.def("encode_row", &encode_row_values, "kv_format"_a, "values"_a);
-  m.def("decode", &decode_step, "backend"_a, "threads"_a, "kv_format"_a, "num_pages"_a,
-        "page_size"_a, "num_kv_heads"_a, "head_dim"_a, "strides"_a, "cache_data"_a, "cache_bytes"_a,
-        "granularity"_a, "k_scale"_a, "v_scale"_a, "scale_count"_a, "block_table"_a, "num_seqs"_a,
-        "max_pages_per_seq"_a, "seq_lens"_a, "q"_a, "q_token_stride"_a, "q_head_stride"_a, "o"_a,
-        "o_token_stride"_a, "o_head_stride"_a, "lse"_a, "q_len"_a, "num_q_heads"_a, "causal"_a,
-        "softmax_scale"_a, "q_mode"_a, "p_mode"_a, "max_splits"_a);
-  m.def("write_kv", &write_kv_rows, "device"_a, "kv_format"_a, "num_pages"_a, "page_size"_a,
-        "num_kv_heads"_a, "head_dim"_a, "strides"_a, "cache_data"_a, "cache_bytes"_a,
-        "granularity"_a, "k_scale"_a, "v_scale"_a, "scale_count"_a, "k"_a, "k_token_stride"_a,
-        "k_head_stride"_a, "v"_a, "v_token_stride"_a, "v_head_stride"_a, "slot_mapping"_a,
-        "num_tokens"_a, "stream"_a);
   m.def("plan", &plan_items, "seq_lens"_a, "num_seqs"_a, "q_len"_a, "num_kv_heads"_a, "workers"_a,
         "max_splits"_a, "tile_tokens"_a, "min_chunk_tokens"_a, "fixed_splits"_a);
 }

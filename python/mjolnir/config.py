@@ -13,6 +13,8 @@ from typing import Mapping, Optional
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 _MODES = ("fp32", "bf16", "fp8")
+# The formats MJOLNIR_ATTN_KV_FORMAT takes (every mjolnir format; "" = vLLM's kv_cache_dtype).
+FORMATS = ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "fp6_e2m3", "fp6_e3m2", "fp4_e2m1", "nvfp4")
 
 
 def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
@@ -40,6 +42,16 @@ def _int(env: Mapping[str, str], name: str, default: int, lo: int, hi: int) -> i
     return value
 
 
+def _format(env: Mapping[str, str], name: str) -> str:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return ""
+    value = raw.strip().lower()
+    if value not in FORMATS:
+        raise ValueError(f"{name}: '{raw}' is not one of {', '.join(FORMATS)}")
+    return value
+
+
 def _mode(env: Mapping[str, str], name: str, default: str) -> str:
     raw = env.get(name)
     if raw is None or raw.strip() == "":
@@ -55,12 +67,12 @@ class AttnConfig:
     """The plugin's settings. Defaults are those of an empty environment."""
 
     disable: bool = False  # MJOLNIR_ATTN_DISABLE: 1 = do not register the backend at all
-    fallback: bool = True  # MJOLNIR_ATTN_FALLBACK: non-decode step -> PyTorch path (0: raise)
+    fallback: bool = True  # MJOLNIR_ATTN_FALLBACK: a step mjolnir cannot plan -> PyTorch path
     q_dtype: str = "fp32"  # MJOLNIR_ATTN_Q_DTYPE: Q mode fp32 | bf16 | fp8
     p_dtype: str = "fp32"  # MJOLNIR_ATTN_P_DTYPE: P mode fp32 | bf16 | fp8
-    max_q_len: int = 8  # MJOLNIR_ATTN_MAX_Q_LEN: longer steps (prefill) take the fallback
     max_splits: int = 16  # MJOLNIR_ATTN_MAX_SPLITS: cap on split-KV chunks per sequence
-    threads: int = 0  # MJOLNIR_ATTN_THREADS: CPU worker threads, 0 = all cores
+    threads: int = 0  # MJOLNIR_ATTN_THREADS: CPU worker threads of mjolnir's own, 0 = torch's
+    kv_format: str = ""  # MJOLNIR_ATTN_KV_FORMAT: the cache's format, "" = vLLM's kv_cache_dtype
 
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "AttnConfig":
@@ -70,9 +82,9 @@ class AttnConfig:
             fallback=_flag(env, "MJOLNIR_ATTN_FALLBACK", True),
             q_dtype=_mode(env, "MJOLNIR_ATTN_Q_DTYPE", "fp32"),
             p_dtype=_mode(env, "MJOLNIR_ATTN_P_DTYPE", "fp32"),
-            max_q_len=_int(env, "MJOLNIR_ATTN_MAX_Q_LEN", 8, 1, 8),
             max_splits=_int(env, "MJOLNIR_ATTN_MAX_SPLITS", 16, 1, 256),
             threads=_int(env, "MJOLNIR_ATTN_THREADS", 0, 0, 4096),
+            kv_format=_format(env, "MJOLNIR_ATTN_KV_FORMAT"),
         )
 
 
@@ -82,7 +94,7 @@ ENV_VARS = (
     "MJOLNIR_ATTN_FALLBACK",
     "MJOLNIR_ATTN_Q_DTYPE",
     "MJOLNIR_ATTN_P_DTYPE",
-    "MJOLNIR_ATTN_MAX_Q_LEN",
     "MJOLNIR_ATTN_MAX_SPLITS",
     "MJOLNIR_ATTN_THREADS",
+    "MJOLNIR_ATTN_KV_FORMAT",
 )

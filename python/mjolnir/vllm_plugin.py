@@ -3,10 +3,11 @@
 
 On vLLM's CPU platform it points vLLM's CPU_ATTN backend at
 mjolnir.vllm_backend.MjolnirCPUAttentionBackend, a subclass of vLLM's CPUAttentionBackend. Layers it
-can serve (causal decoder attention, bf16 / fp16 / fp8 caches, no ALiBi, sliding window, soft-cap
-or sinks) keep their cache in mjolnir's layout and run decode steps (uniform q_len up to
-MJOLNIR_ATTN_MAX_Q_LEN) with mjolnir, other steps with a PyTorch path; other layers stay vLLM's.
-MJOLNIR_ATTN_DISABLE=1 turns the plugin off.
+can serve (causal decoder attention, no ALiBi, sliding window, soft-cap or sinks) keep their cache
+in mjolnir's layout and format and run every step with mjolnir; other layers stay vLLM's. With
+MJOLNIR_ATTN_KV_FORMAT (any mjolnir format, vLLM's kv_cache_dtype "auto"), it also makes vLLM
+size and allocate those layers' caches at the format's true size, so the KV capacity vLLM reports
+grows with it. MJOLNIR_ATTN_DISABLE=1 turns the plugin off.
 Settings: mjolnir.config.AttnConfig (docs/python.md lists every MJOLNIR_ATTN_* variable).
 """
 
@@ -43,5 +44,34 @@ def register() -> bool:
                     current_platform.device_type)
         return False
     register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)
+    if config.kv_format:
+        _size_caches_by_format()
+    # vLLM loads plugins before it sets up logging, so this line may not show; the metadata
+    # builder logs again, once the engine's logging is up, which layers run on mjolnir.
     logger.info("mjolnir: CPU_ATTN -> %s (%s)", BACKEND_PATH, config)
     return True
+
+
+def _size_caches_by_format() -> None:
+    """Has vLLM size and allocate the cache of each layer mjolnir owns in the format of
+    MJOLNIR_ATTN_KV_FORMAT: the layer's KV cache spec (from which vLLM computes its capacity
+    and allocates) describes packed rows of bytes, row_bytes(format, head size) for K and again
+    for V per token, instead of model-dtype rows. Layers mjolnir does not own keep vLLM's spec."""
+    from vllm.model_executor.layers.attention import Attention
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    original = Attention.get_kv_cache_spec
+    if getattr(original, "mjolnir_sized", False):
+        return
+
+    def get_kv_cache_spec(self, vllm_config):
+        spec = original(self, vllm_config)
+        from .vllm_backend import MjolnirCPUAttentionImpl, packed_spec
+
+        impl = getattr(self, "impl", None)
+        if type(spec) is FullAttentionSpec and isinstance(impl, MjolnirCPUAttentionImpl):
+            return packed_spec(impl, spec) or spec
+        return spec
+
+    get_kv_cache_spec.mjolnir_sized = True
+    Attention.get_kv_cache_spec = get_kv_cache_spec

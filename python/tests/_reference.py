@@ -97,8 +97,9 @@ def dequantized_cache(kv_cache, layout, fmt, d, k_scale, v_scale):
 
 
 def attention(q, k_pages, v_pages, block_table, seq_lens, q_len, causal=True,
-              softmax_scale=None):
-    """float64 softmax attention of q [B*q_len, Hq, D] over the paged K/V."""
+              softmax_scale=None, query_start=None):
+    """float64 softmax attention of q [B*q_len, Hq, D] over the paged K/V; with query_start
+    [B + 1] (q_len 0), sequence b's query tokens are rows query_start[b]..query_start[b + 1]."""
     num_tokens, hq, d = q.shape
     page_size, hk = k_pages.shape[1], k_pages.shape[2]
     g = hq // hk
@@ -111,12 +112,14 @@ def attention(q, k_pages, v_pages, block_table, seq_lens, q_len, causal=True,
         pages = block_table[b, : (length + page_size - 1) // page_size].long()
         k = k_pages[pages].reshape(-1, hk, d)[:length]
         v = v_pages[pages].reshape(-1, hk, d)[:length]
-        for t in range(q_len):
-            visible = length - q_len + t + 1 if causal else length
-            row = q[b * q_len + t].reshape(hk, g, d)
+        first = b * q_len if query_start is None else int(query_start[b])
+        count = q_len if query_start is None else int(query_start[b + 1]) - first
+        for t in range(count):
+            visible = length - count + t + 1 if causal else length
+            row = q[first + t].reshape(hk, g, d)
             s = torch.einsum("hgd,nhd->hgn", row, k[:visible]) * scale
             p = torch.softmax(s, dim=-1)
-            out[b * q_len + t] = torch.einsum("hgn,nhd->hgd", p, v[:visible]).reshape(hq, d)
+            out[first + t] = torch.einsum("hgn,nhd->hgd", p, v[:visible]).reshape(hq, d)
     return out
 
 

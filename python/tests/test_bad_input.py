@@ -89,12 +89,20 @@ def test_decode_into_rejects_bad_output(step):
 
 
 def test_decode_rejects_device_mismatch(step):
-    # Through the implementation: a meta tensor among the op's inputs dispatches to the fake.
-    from mjolnir.ops import _decode_impl
-    args = {**step, "kv_cache": torch.empty(2, PAGES, P, HK, D, dtype=torch.uint8, device="meta")}
-    with pytest.raises(ValueError, match=r"^kv_cache: on meta, but q is on cpu"):
-        _decode_impl(None, **args, causal=True, softmax_scale=0.0, q_mode="fp32", p_mode="fp32",
-                     max_splits=16, threads=0, backend="")
+    # A meta tensor among the inputs dispatches to the Meta kernel, which must not return an
+    # uninitialized output for the real ones (nor skip a write) but name the odd argument.
+    meta_cache = torch.empty(2, PAGES, P, HK, D, dtype=torch.uint8, device="meta")
+    with pytest.raises(ValueError, match=r"^q: on cpu, but other arguments are on meta"):
+        decode_with(step, kv_cache=meta_cache)
+    with pytest.raises(ValueError, match=r"^output: on cpu, but other arguments are on meta"):
+        torch.ops.mjolnir.decode_into(torch.empty(2, HQ, D), **{**step, "kv_cache": meta_cache})
+    k = torch.randn(3, HK, D)
+    with pytest.raises(ValueError, match=r"^key: on cpu, but other arguments are on meta"):
+        torch.ops.mjolnir.write_kv(k, k, meta_cache, torch.arange(3), step["k_scale"],
+                                   step["v_scale"], "fp8_e4m3")
+    # All on meta: shapes only, as torch.compile's fake tensors see them.
+    meta = {name: t.to("meta") if isinstance(t, torch.Tensor) else t for name, t in step.items()}
+    assert torch.ops.mjolnir.decode(**meta).shape == step["q"].shape
 
 
 @pytest.fixture

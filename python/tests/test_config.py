@@ -13,16 +13,16 @@ from mjolnir.config import ENV_VARS, AttnConfig
 def test_defaults():
     assert AttnConfig.from_env({}) == AttnConfig()
     c = AttnConfig()
-    assert (c.disable, c.fallback, c.q_dtype, c.p_dtype, c.max_q_len, c.max_splits, c.threads) \
-        == (False, True, "fp32", "fp32", 8, 16, 0)
+    assert (c.disable, c.fallback, c.q_dtype, c.p_dtype, c.max_splits, c.threads, c.kv_format) \
+        == (False, True, "fp32", "fp32", 16, 0, "")
 
 
 def test_values():
     env = {"MJOLNIR_ATTN_DISABLE": "yes", "MJOLNIR_ATTN_FALLBACK": "0",
            "MJOLNIR_ATTN_Q_DTYPE": "FP8", "MJOLNIR_ATTN_P_DTYPE": "bf16",
-           "MJOLNIR_ATTN_MAX_Q_LEN": "4", "MJOLNIR_ATTN_MAX_SPLITS": "32",
-           "MJOLNIR_ATTN_THREADS": "3"}
-    assert AttnConfig.from_env(env) == AttnConfig(True, False, "fp8", "bf16", 4, 32, 3)
+           "MJOLNIR_ATTN_MAX_SPLITS": "32", "MJOLNIR_ATTN_THREADS": "3",
+           "MJOLNIR_ATTN_KV_FORMAT": "FP4_E2M1"}
+    assert AttnConfig.from_env(env) == AttnConfig(True, False, "fp8", "bf16", 32, 3, "fp4_e2m1")
     assert set(env) == set(ENV_VARS)
 
 
@@ -31,7 +31,7 @@ def test_values():
     ("MJOLNIR_ATTN_FALLBACK", "2", "is not a boolean"),
     ("MJOLNIR_ATTN_Q_DTYPE", "int8", "is not one of fp32, bf16, fp8"),
     ("MJOLNIR_ATTN_P_DTYPE", "fp4", "is not one of fp32, bf16, fp8"),
-    ("MJOLNIR_ATTN_MAX_Q_LEN", "9", r"9 is outside \[1, 8\]"),
+    ("MJOLNIR_ATTN_KV_FORMAT", "fp5", "is not one of bf16, fp16, fp8_e4m3"),
     ("MJOLNIR_ATTN_MAX_SPLITS", "many", "is not an integer"),
     ("MJOLNIR_ATTN_THREADS", "-1", r"-1 is outside \[0, 4096\]"),
 ])

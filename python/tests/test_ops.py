@@ -173,6 +173,82 @@ def test_decode_strided_cache_and_padding(gen):
     assert rel_err(out[:-1], ref) < 1e-5
 
 
+# --- ragged steps (prefill, chunked prefill, mixed) and plans made once per step -----------------
+
+
+def ragged(p, gen, query_lens):
+    """Turns problem p into a ragged step: query_lens[b] query tokens for sequence b (at most
+    its seq_len; 0: none this step), fresh queries, and the float64 reference."""
+    p.query_start = torch.tensor([0] + list(query_lens), dtype=torch.int32).cumsum(0).to(
+        torch.int32)
+    rows = int(p.query_start[-1])
+    p.q = torch.randn(rows, p.q.shape[1], p.d, generator=gen)
+    k_pages, v_pages = dequantized_cache(p.kv_cache, p.layout, p.fmt, p.d, p.k_scale,
+                                         p.v_scale)
+    return attention(p.q, k_pages, v_pages, p.block_table, p.seq_lens, 0,
+                     query_start=p.query_start)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_e5m2", "fp6_e2m3", "fp4_e2m1", "nvfp4"])
+def test_ragged_step_matches_reference(gen, fmt):
+    """A whole prompt, the tail of a chunked prefill, a decode and a sequence without query
+    tokens in one step (q_len 0 with query_start), as vLLM batches them."""
+    p = Problem(gen, fmt, "B2NHD", 1, "channel", num_seqs=4, max_len=150)
+    lens = p.seq_lens.tolist()
+    ref = ragged(p, gen, [lens[0], min(lens[1], 21), 1, 0])
+    out = torch.ops.mjolnir.decode(p.q, p.kv_cache, p.block_table, p.seq_lens, p.k_scale,
+                                   p.v_scale, fmt, 0, "B2NHD", query_start=p.query_start)
+    assert out.shape == p.q.shape and torch.isfinite(out).all()
+    err = rel_err(out, ref)
+    assert err < 1e-5, f"{fmt}: relative error {err:.3g}"
+
+
+def test_plan_step_runs_every_layer(gen):
+    """One plan for the step, run for two layers with their own caches, formats and scales:
+    the same outputs as planning each call (decode), written into vLLM-style padded bf16
+    outputs whose padding rows stay untouched."""
+    first = Problem(gen, "fp8_e4m3", "BHN2D", 1, "head", num_seqs=3, max_len=200)
+    lens = first.seq_lens.tolist()
+    query_lens = [lens[0], 1, min(lens[2], 9)]
+    ref_first = ragged(first, gen, query_lens)
+    second = Problem(gen, "fp4_e2m1", "BHN2D", 1, "tensor", num_seqs=3, max_len=200)
+    second.seq_lens, second.block_table = first.seq_lens, first.block_table
+    second.slots = first.slots
+    second.kv_cache.zero_()
+    torch.ops.mjolnir.write_kv(second.k[: int(first.seq_lens.sum())],
+                               second.v[: int(first.seq_lens.sum())], second.kv_cache,
+                               first.slots, second.k_scale, second.v_scale, "fp4_e2m1", "BHN2D")
+    ref_second = ragged(second, gen, query_lens)
+
+    step = torch.ops.mjolnir.plan_step(first.seq_lens, first.block_table, first.query_start, 0,
+                                       first.q.shape[1], 2)
+    assert step.query_rows() == sum(query_lens)
+    assert step.num_query_tiles() == sum((n + 7) // 8 for n in query_lens)
+    rows = sum(query_lens)
+    for p, ref in ((first, ref_first), (second, ref_second), (first, ref_first)):
+        padded = torch.full((rows + 5, p.q.shape[1], p.d), float("nan"), dtype=torch.bfloat16)
+        q = torch.cat([p.q, torch.randn(5, p.q.shape[1], p.d, generator=gen)]).to(torch.bfloat16)
+        torch.ops.mjolnir.attend(step, padded, q, p.kv_cache, p.k_scale, p.v_scale, p.fmt,
+                                 "BHN2D")
+        assert torch.isnan(padded[rows:]).all(), "wrote past the step's query rows"
+        once = torch.ops.mjolnir.decode(q[:rows], p.kv_cache, p.block_table, p.seq_lens,
+                                        p.k_scale, p.v_scale, p.fmt, 0, "BHN2D",
+                                        query_start=p.query_start)
+        assert torch.equal(padded[:rows], once)
+        assert rel_err(padded[:rows].float(), ref) < 1e-2  # bf16 queries and output
+
+    with pytest.raises(ValueError, match=r"^q: shape \(3, 4, 64\), the step has"):
+        torch.ops.mjolnir.attend(step, torch.empty(3, 4, 64), torch.empty(3, 4, 64),
+                                 first.kv_cache, first.k_scale, first.v_scale, "fp8_e4m3",
+                                 "BHN2D")
+    with pytest.raises(ValueError, match=r"^q_len: 2 with query_start given"):
+        torch.ops.mjolnir.plan_step(first.seq_lens, first.block_table, first.query_start, 2, 4, 2)
+    with pytest.raises(ValueError, match=r"^query_start: sequence 1 has"):
+        bad = first.query_start.clone()
+        bad[2:] += int(first.seq_lens[1]) + 1
+        torch.ops.mjolnir.plan_step(first.seq_lens, first.block_table, bad, 0, 4, 2)
+
+
 # --- write_kv against an independent quantizer ---------------------------------------------------
 
 

@@ -145,19 +145,21 @@ class Step:
 @pytest.mark.parametrize("q_lens", [[1, 1, 1, 1], [4, 4, 4], [3, 17, 1], [40]])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_forward_matches_vllm_kernel(vllm_ops, gen, dtype, q_lens):
-    """Decode steps (uniform q_len <= 8) run mjolnir; the others the PyTorch path. Both, and
-    vLLM's own kernel on its own cache, against float64 attention."""
+    """Every step, decode, speculative, mixed and prefill, runs on mjolnir: against float64
+    attention, as vLLM's own kernel on its own cache is."""
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
     hq, d = 8, 64
     impl = make_impl(hq, 2, d, AttnConfig())
     step = Step(vllm_ops, gen, impl, dtype, q_lens)
     assert impl.owner_reason(step.ours) is None
     ours = torch.full((sum(q_lens), hq * d), float("nan"), dtype=dtype)
-    decode_steps, torch_steps = type(impl).mjolnir_steps, type(impl).fallback_steps
+    mjolnir_steps, torch_steps = type(impl).mjolnir_steps, type(impl).fallback_steps
     impl.forward(step.layer, step.query, None, None, step.ours, step.meta, ours)
-    uniform = len(set(q_lens)) == 1 and q_lens[0] <= 8
-    assert type(impl).mjolnir_steps == decode_steps + uniform
-    assert type(impl).fallback_steps == torch_steps + (not uniform)
+    assert type(impl).mjolnir_steps == mjolnir_steps + 1
+    assert type(impl).fallback_steps == torch_steps
+    # vLLM's builder made this metadata: the first layer planned the step and left the plan on
+    # it for the others.
+    assert step.meta.mjolnir_step.query_rows() == sum(q_lens)
     theirs = torch.full_like(ours, float("nan"))
     CPUAttentionBackendImpl.forward(impl, step.layer, step.query, None, None, step.theirs,
                                     step.meta, theirs)
@@ -166,12 +168,25 @@ def test_forward_matches_vllm_kernel(vllm_ops, gen, dtype, q_lens):
     assert step.error(theirs) < 2 * tolerance
 
 
-def test_fallback_off_raises(vllm_ops, gen):
-    impl = make_impl(8, 2, 64, AttnConfig(fallback=False))
+def test_per_request_causality_takes_the_pytorch_path(vllm_ops, gen):
+    """vLLM's dynamic_causal (a causal flag per request) is the one step mjolnir does not plan:
+    the PyTorch path runs it (the causal request matching mjolnir's own result), or, with
+    MJOLNIR_ATTN_FALLBACK=0, it raises."""
+    impl = make_impl(8, 2, 64, AttnConfig())
     step = Step(vllm_ops, gen, impl, torch.bfloat16, [3, 5])
-    out = torch.empty(8, 8 * 64, dtype=torch.bfloat16)
-    with pytest.raises(NotImplementedError, match="query lengths differ"):
-        impl.forward(step.layer, step.query, None, None, step.ours, step.meta, out)
+    planned = torch.empty(8, 8 * 64, dtype=torch.bfloat16)
+    impl.forward(step.layer, step.query, None, None, step.ours, step.meta, planned)
+    step.meta.dynamic_causal = torch.tensor([True, False])
+    step.meta.causal = False
+    out = torch.full_like(planned, float("nan"))
+    torch_steps = type(impl).fallback_steps
+    impl.forward(step.layer, step.query, None, None, step.ours, step.meta, out)
+    assert type(impl).fallback_steps == torch_steps + 1
+    assert (out[:3].float() - planned[:3].float()).abs().max() < 2e-2
+    assert torch.isfinite(out[3:].float()).all()
+    strict = make_impl(8, 2, 64, AttnConfig(fallback=False))
+    with pytest.raises(NotImplementedError, match="per-request causality"):
+        strict.forward(step.layer, step.query, None, None, step.ours, step.meta, out)
 
 
 def test_layers_mjolnir_does_not_take(vllm_ops):

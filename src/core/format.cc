@@ -249,7 +249,7 @@ Format parse_format(std::string_view name, std::string_view arg_name) {
     if (!valid.empty()) valid += ", ";
     valid += entry.name;
   }
-  detail::throw_error(arg_name, ": unknown format '", name, "'; valid formats: ", valid);
+  detail::throw_error(arg_name, ": '", name, "' is not one of ", valid);
 }
 
 int element_bits(Format format) {

@@ -1,0 +1,75 @@
+// Torch tensors as the C++ library's views: the checks every torch.ops.mjolnir op makes of its
+// tensors, written once. A bad tensor raises ValueError whose message starts with the op's
+// argument name ("kv_cache: ...", "block_table: ..."), as the library's own checks do.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "mjolnir/cache.h"
+#include "mjolnir/decode.h"
+#include "mjolnir/error.h"
+#include "mjolnir/write_kv.h"
+
+namespace mjolnir::python {
+
+// Raises the ValueError Python sees (c10::ValueError), `message` as it is.
+[[noreturn]] void raise_value_error(const std::string& message);
+
+// As Python prints them: "torch.float32", "(2, 12, 16)".
+std::string dtype_name(c10::ScalarType type);
+std::string shape_of(const at::Tensor& t);
+
+// Runs fn; a mjolnir::Error it throws becomes a ValueError, its message naming the op's
+// arguments instead of the library's fields ("cache.k_scale[0]" -> "k_scale[0]").
+template <class F>
+decltype(auto) with_op_errors(F&& fn);
+
+// The paged cache: a 5-D tensor whose dimensions follow `layout` ("2BNHD" = [2, blocks,
+// block_size, Hk, row]), the last holding one token's packed row of head_dim channels, with the
+// scales [1], [Hk] or [Hk * D] (float, any device: they are read on the host).
+struct CacheTensor {
+  KvCacheView view;
+  at::Tensor k_scale, v_scale;  // host float32 copies the view's spans point into
+};
+CacheTensor cache_tensor(const at::Tensor& kv_cache, std::string_view kv_format,
+                         std::string_view layout, int head_dim, const at::Tensor& k_scale,
+                         const at::Tensor& v_scale);
+
+// Q / O / K / V rows [num_tokens, heads, head_size] in float32, bfloat16 or float16 with the
+// head size contiguous; `expect_heads` > 0 also checks the head count.
+void check_rows(const at::Tensor& t, std::string_view name, std::int64_t expect_heads = 0);
+// A head size the kernels take: a multiple of 32 in [32, 256].
+void check_head_dim(std::int64_t head_dim, std::string_view name);
+// An int32 tensor of `dims` dimensions, contiguous on the host (copied when it is not).
+at::Tensor host_int32(const at::Tensor& t, std::string_view name, int dims);
+// t itself when it is float32 with the last dimension contiguous, else a float32 copy.
+at::Tensor as_float32_rows(const at::Tensor& t);
+// Every tensor on `device` (the first argument's), naming the first that is not.
+void check_same_device(const at::Tensor& t, std::string_view name, const at::Tensor& first,
+                       std::string_view first_name);
+
+// The library's backend for a device ("" picks cpu or cuda from it) and a thread count:
+// threads 0 runs the CPU backend on torch's intra-op threads (at::parallel_for), so it shares
+// the cores with torch instead of competing with them; threads N > 0 runs it on N of its own.
+// One backend per (name, threads) per process.
+const Backend& backend_for(const at::Device& device, std::string_view backend,
+                           std::int64_t threads);
+
+// --- implementation of with_op_errors ---------------------------------------------------------
+
+std::string op_argument_names(std::string message);
+
+template <class F>
+decltype(auto) with_op_errors(F&& fn) {
+  try {
+    return fn();
+  } catch (const Error& e) {
+    raise_value_error(op_argument_names(e.what()));
+  }
+}
+
+}  // namespace mjolnir::python

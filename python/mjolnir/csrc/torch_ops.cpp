@@ -1,0 +1,564 @@
+// torch.ops.mjolnir: the library's cache write and attention as PyTorch operators, registered
+// from C++ (TORCH_LIBRARY) so that a call costs the dispatcher's few microseconds, not a Python
+// function's hundreds, with Meta kernels for torch.compile and FakeTensor.
+//
+//   write_kv(key, value, kv_cache!, slot_mapping, k_scale, v_scale, kv_format, layout)
+//   decode(q, kv_cache, block_table, seq_lens, k_scale, v_scale, kv_format, q_len, layout, ...,
+//          query_start=None) -> Tensor        one step, planned and run in one call
+//   decode_into(output!, q, ...)                the same into `output`
+//   plan_step(seq_lens, block_table, query_start, q_len, num_q_heads, num_kv_heads, ...)
+//       -> torch.classes.mjolnir.Step          a step's plan, made once (a serving engine's
+//                                               metadata builder)
+//   attend(step, output!, q, kv_cache, k_scale, v_scale, kv_format, layout, softmax_scale)
+//                                               that plan run for one layer: no planning, no
+//                                               allocation
+// Tensors are taken as vLLM lays them out (docs/python.md); every check lives in
+// tensor_views.cpp or in the library, and names the op's argument.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "mjolnir/decode.h"
+#include "mjolnir/error.h"
+#include "mjolnir/plan.h"
+#include "mjolnir/write_kv.h"
+#include "tensor_views.h"
+
+#if MJOLNIR_PY_CUDA
+#include <c10/cuda/CUDAStream.h>
+
+#include "cuda/cuda_decode.h"
+#endif
+
+namespace mjolnir::python {
+namespace {
+
+using OptionalTensor = std::optional<at::Tensor>;
+
+// Host buffers of recent steps' workspaces: a step's plan lives for one engine step, and a
+// fresh allocation of megabytes every step would page-fault its way in each time.
+class HostWorkspaces {
+ public:
+  static std::unique_ptr<std::byte[]> take(std::size_t bytes, std::size_t& capacity) {
+    std::lock_guard lock(mutex());
+    auto& free = buffers();
+    for (auto it = free.begin(); it != free.end(); ++it) {
+      if (it->first >= bytes) {
+        capacity = it->first;
+        std::unique_ptr<std::byte[]> buffer = std::move(it->second);
+        free.erase(it);
+        return buffer;
+      }
+    }
+    capacity = bytes;
+    return std::unique_ptr<std::byte[]>(new std::byte[std::max<std::size_t>(bytes, 1)]);
+  }
+  static void give_back(std::unique_ptr<std::byte[]> buffer, std::size_t capacity) {
+    std::lock_guard lock(mutex());
+    auto& free = buffers();
+    if (free.size() >= kKept) free.erase(free.begin());  // the oldest goes
+    free.emplace_back(capacity, std::move(buffer));
+  }
+
+ private:
+  static constexpr std::size_t kKept = 4;
+  static std::mutex& mutex() {
+    static std::mutex m;
+    return m;
+  }
+  static std::vector<std::pair<std::size_t, std::unique_ptr<std::byte[]>>>& buffers() {
+    static std::vector<std::pair<std::size_t, std::unique_ptr<std::byte[]>>> b;
+    return b;
+  }
+};
+
+DecodeParams decode_params(std::int64_t q_len, std::int64_t num_q_heads, bool causal,
+                           double softmax_scale, const std::string& q_mode,
+                           const std::string& p_mode) {
+  DecodeParams params;
+  params.q_len = int(q_len);
+  params.num_q_heads = int(num_q_heads);
+  params.causal = causal;
+  params.softmax_scale = float(softmax_scale);
+  with_op_errors([&] {
+    params.q_mode = parse_q_mode(q_mode);
+    params.p_mode = parse_p_mode(p_mode);
+  });
+  return params;
+}
+
+// The sequences of a step, from host int32 tensors it keeps alive.
+struct StepTensors {
+  at::Tensor block_table, seq_lens, query_start;
+  PagedBatch batch() const {
+    PagedBatch b;
+    const std::int64_t num_seqs = seq_lens.numel();
+    b.block_table = {block_table.data_ptr<std::int32_t>(), std::size_t(block_table.numel())};
+    b.max_pages_per_seq = int(block_table.size(1));
+    b.seq_lens = {seq_lens.data_ptr<std::int32_t>(), std::size_t(num_seqs)};
+    if (query_start.defined()) {
+      b.query_start = {query_start.data_ptr<std::int32_t>(), std::size_t(query_start.numel())};
+    }
+    return b;
+  }
+};
+
+StepTensors step_tensors(const at::Tensor& block_table, const at::Tensor& seq_lens,
+                         const OptionalTensor& query_start) {
+  StepTensors t;
+  t.block_table = host_int32(block_table, "block_table", 2);
+  t.seq_lens = host_int32(seq_lens, "seq_lens", 1);
+  if (t.seq_lens.numel() != t.block_table.size(0)) {
+    raise_value_error("seq_lens: " + std::to_string(t.seq_lens.numel()) +
+                      " sequences, but block_table has " + std::to_string(t.block_table.size(0)) +
+                      " rows");
+  }
+  if (query_start.has_value()) t.query_start = host_int32(*query_start, "query_start", 1);
+  return t;
+}
+
+// O in float32 with channels contiguous: `output` itself, or a buffer copied into it after.
+struct OutputRows {
+  at::Tensor o32;
+  bool direct = false;
+};
+OutputRows output_rows(const at::Tensor& output) {
+  const bool direct =
+      output.scalar_type() == at::kFloat && (output.numel() == 0 || output.stride(-1) == 1);
+  return {direct ? output : at::empty(output.sizes(), output.options().dtype(at::kFloat)), direct};
+}
+
+DecodeArgs decode_args(const KvCacheView& cache, const PagedBatch& batch,
+                       const DecodeParams& params, const at::Tensor& q32, const at::Tensor& o32) {
+  DecodeArgs args;
+  args.cache = cache;
+  args.batch = batch;
+  args.params = params;
+  args.q = {q32.data_ptr<float>(), q32.stride(0), q32.stride(1)};
+  args.o = {o32.data_ptr<float>(), o32.stride(0), o32.stride(1)};
+  return args;
+}
+
+#if MJOLNIR_PY_CUDA
+// The library's CUDA backend runs on the legacy default stream and waits for itself: the
+// caller's work on torch's current stream must be done first.
+void wait_for_torch(const at::Device& device) {
+  c10::cuda::getCurrentCUDAStream(device.index()).synchronize();
+}
+#endif
+
+// Runs a validated step with a plan made for it, on the host or the device.
+void run_planned(const Backend& backend, const DecodeArgs& args, const Plan& plan,
+                 std::span<std::byte> host_workspace, const at::Device& device) {
+  if (device.is_cpu()) {
+    with_op_errors([&] { backend.run(args, plan, host_workspace); });
+    return;
+  }
+#if MJOLNIR_PY_CUDA
+  const std::size_t bytes = with_op_errors(
+      [&] { return backend.workspace_bytes(plan, args.cache.geometry, args.params); });
+  const at::Tensor workspace = at::empty({std::int64_t(std::max<std::size_t>(bytes, 1))},
+                                         at::TensorOptions().dtype(at::kByte).device(device));
+  wait_for_torch(device);
+  with_op_errors([&] {
+    backend.run(args, plan,
+                {static_cast<std::byte*>(workspace.data_ptr()), std::size_t(workspace.numel())});
+  });
+#else
+  raise_value_error("q: on " + device.str() + ", but this build of mjolnir has no CUDA backend");
+#endif
+}
+
+// --- decode / decode_into: plan and run in one call --------------------------------------------
+
+void decode_step(at::Tensor& output, const at::Tensor& q, const at::Tensor& kv_cache,
+                 const at::Tensor& block_table, const at::Tensor& seq_lens,
+                 const at::Tensor& k_scale, const at::Tensor& v_scale, const std::string& kv_format,
+                 std::int64_t q_len, const std::string& layout, bool causal, double softmax_scale,
+                 const std::string& q_mode, const std::string& p_mode, std::int64_t max_splits,
+                 std::int64_t threads, const std::string& backend_name,
+                 const OptionalTensor& query_start) {
+  check_rows(q, "q");
+  const std::int64_t num_tokens = q.size(0), num_q_heads = q.size(1), head_dim = q.size(2);
+  check_head_dim(head_dim, "q");
+  check_same_device(kv_cache, "kv_cache", q, "q");
+  const CacheTensor cache =
+      cache_tensor(kv_cache, kv_format, layout, int(head_dim), k_scale, v_scale);
+  const StepTensors step = step_tensors(block_table, seq_lens, query_start);
+  const std::int64_t num_seqs = step.seq_lens.numel();
+  if (!step.query_start.defined() && num_tokens != num_seqs * q_len) {
+    raise_value_error("q: " + std::to_string(num_tokens) + " token rows, but " +
+                      std::to_string(num_seqs) + " sequences x q_len " + std::to_string(q_len) +
+                      " = " + std::to_string(num_seqs * q_len));
+  }
+  const DecodeParams params =
+      decode_params(q_len, num_q_heads, causal, softmax_scale, q_mode, p_mode);
+  const Backend& backend = backend_for(q.device(), backend_name, threads);
+  check_rows(output, "output");
+  check_same_device(output, "output", q, "q");
+  if (output.sizes() != q.sizes()) {
+    raise_value_error("output: shape " + shape_of(output) + ", expected " + shape_of(q));
+  }
+  if (num_tokens == 0) return;  // an empty step: nothing to read or write
+
+  const at::Tensor q32 = as_float32_rows(q);
+  const OutputRows out = output_rows(output);
+  const DecodeArgs args = decode_args(cache.view, step.batch(), params, q32, out.o32);
+  with_op_errors([&] {
+    validate(args);
+    const std::string why = backend.unsupported_reason(args.cache.geometry, args.params);
+    MJOLNIR_REQUIRE(why.empty(), "backend ", backend.name(), ": ", why);
+  });
+  PlanOptions options;
+  options.workers = backend.workers();
+  options.max_splits = int(max_splits);
+  const StepShape shape = args.step_shape();
+  Plan plan = with_op_errors([&] {
+    const int cap = effective_max_splits(options, shape.num_seqs(), shape.num_kv_heads);
+    if (cap >= 0) options.max_splits = cap;
+    Plan p(capacity_for(shape, options));
+    make_plan(p, shape, options);
+    return p;
+  });
+  std::vector<std::byte> workspace;
+  if (q.device().is_cpu()) {
+    workspace.resize(backend.workspace_bytes(plan, args.cache.geometry, args.params));
+  }
+  run_planned(backend, args, plan, workspace, q.device());
+  if (!out.direct) output.copy_(out.o32);
+}
+
+void decode_into(at::Tensor output, const at::Tensor& q, const at::Tensor& kv_cache,
+                 const at::Tensor& block_table, const at::Tensor& seq_lens,
+                 const at::Tensor& k_scale, const at::Tensor& v_scale, const std::string& kv_format,
+                 std::int64_t q_len, const std::string& layout, bool causal, double softmax_scale,
+                 const std::string& q_mode, const std::string& p_mode, std::int64_t max_splits,
+                 std::int64_t threads, const std::string& backend,
+                 const OptionalTensor& query_start) {
+  decode_step(output, q, kv_cache, block_table, seq_lens, k_scale, v_scale, kv_format, q_len,
+              layout, causal, softmax_scale, q_mode, p_mode, max_splits, threads, backend,
+              query_start);
+}
+
+at::Tensor decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                  const at::Tensor& seq_lens, const at::Tensor& k_scale, const at::Tensor& v_scale,
+                  const std::string& kv_format, std::int64_t q_len, const std::string& layout,
+                  bool causal, double softmax_scale, const std::string& q_mode,
+                  const std::string& p_mode, std::int64_t max_splits, std::int64_t threads,
+                  const std::string& backend, const OptionalTensor& query_start) {
+  check_rows(q, "q");
+  at::Tensor output = at::empty(q.sizes(), q.options());
+  decode_step(output, q, kv_cache, block_table, seq_lens, k_scale, v_scale, kv_format, q_len,
+              layout, causal, softmax_scale, q_mode, p_mode, max_splits, threads, backend,
+              query_start);
+  return output;
+}
+
+// --- write_kv ----------------------------------------------------------------------------------
+
+void write_kv_op(const at::Tensor& key, const at::Tensor& value, at::Tensor kv_cache,
+                 const at::Tensor& slot_mapping, const at::Tensor& k_scale,
+                 const at::Tensor& v_scale, const std::string& kv_format,
+                 const std::string& layout) {
+  check_rows(key, "key");
+  check_rows(value, "value");
+  const std::int64_t num_tokens = key.size(0), head_dim = key.size(2);
+  check_head_dim(head_dim, "key");
+  if (value.sizes() != key.sizes()) {
+    raise_value_error("value: shape " + shape_of(value) + ", but key has " + shape_of(key));
+  }
+  check_same_device(value, "value", key, "key");
+  check_same_device(kv_cache, "kv_cache", key, "key");
+  const CacheTensor cache =
+      cache_tensor(kv_cache, kv_format, layout, int(head_dim), k_scale, v_scale);
+  check_rows(key, "key", cache.view.geometry.num_kv_heads);
+  check_rows(value, "value", cache.view.geometry.num_kv_heads);
+  const auto slot_type = slot_mapping.scalar_type();
+  if ((slot_type != at::kLong && slot_type != at::kInt) || slot_mapping.dim() != 1) {
+    raise_value_error("slot_mapping: expected a 1-D int64 tensor, got " + dtype_name(slot_type) +
+                      " of shape " + shape_of(slot_mapping));
+  }
+  if (slot_mapping.numel() != num_tokens) {
+    raise_value_error("slot_mapping: " + std::to_string(slot_mapping.numel()) +
+                      " slots, but key has " + std::to_string(num_tokens) + " tokens");
+  }
+  if (num_tokens == 0) return;
+  const at::Tensor k32 = as_float32_rows(key), v32 = as_float32_rows(value);
+  const TokenRows k_rows{k32.data_ptr<float>(), k32.stride(0), k32.stride(1)};
+  const TokenRows v_rows{v32.data_ptr<float>(), v32.stride(0), v32.stride(1)};
+  if (key.device().is_cpu()) {
+    const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
+    with_op_errors([&] {
+      write_kv(cache.view, k_rows, v_rows,
+               {slots.data_ptr<std::int64_t>(), std::size_t(num_tokens)});
+    });
+    return;
+  }
+#if MJOLNIR_PY_CUDA
+  if (key.device().is_cuda()) {
+    const at::Tensor slots = slot_mapping.to(key.device(), at::kLong).contiguous();
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(key.device().index()).stream();
+    with_op_errors([&] {
+      cuda::write_kv(cache.view, k_rows, v_rows, slots.data_ptr<std::int64_t>(), int(num_tokens),
+                     stream);
+    });
+    return;
+  }
+#endif
+  raise_value_error("key: device " + key.device().str() +
+                    " is not supported (cpu, or cuda when built with CUDA)");
+}
+
+// --- a step planned once, run per layer --------------------------------------------------------
+
+// The plan of one engine step and what it was made for. Made by plan_step (the metadata
+// builder, once a step); attend runs it for each layer's cache and queries, which may differ
+// from layer to layer in all but the step's sequences and head counts.
+class Step final : public torch::CustomClassHolder {
+ public:
+  Step(const at::Tensor& seq_lens, const at::Tensor& block_table, const OptionalTensor& query_start,
+       std::int64_t q_len, std::int64_t num_q_heads, std::int64_t num_kv_heads, bool causal,
+       const std::string& q_mode, const std::string& p_mode, std::int64_t max_splits,
+       std::int64_t threads, const std::string& backend)
+      : tensors_(step_tensors(block_table, seq_lens, query_start)),
+        params_(decode_params(query_start.has_value() ? 0 : q_len, num_q_heads, causal, 0.0, q_mode,
+                              p_mode)),
+        device_(backend == "cuda" ? at::Device(at::kCUDA) : at::Device(at::kCPU)),
+        backend_(&backend_for(device_, backend, threads)) {
+    if (query_start.has_value() && q_len != 0) {
+      raise_value_error("q_len: " + std::to_string(q_len) +
+                        " with query_start given; a ragged step takes its query lengths from "
+                        "query_start (q_len 0)");
+    }
+    if (num_kv_heads < 1 || num_q_heads < 1 || num_q_heads % num_kv_heads != 0) {
+      raise_value_error("num_q_heads: " + std::to_string(num_q_heads) +
+                        " is not a positive multiple of num_kv_heads " +
+                        std::to_string(num_kv_heads));
+    }
+    batch_ = tensors_.batch();
+    const StepShape shape{batch_.seq_lens, batch_.query_start, params_.q_len, int(num_kv_heads),
+                          causal};
+    PlanOptions options;
+    options.workers = backend_->workers();
+    options.max_splits = int(max_splits);
+    plan_ = with_op_errors([&] {
+      const int cap = effective_max_splits(options, shape.num_seqs(), shape.num_kv_heads);
+      if (cap >= 0) options.max_splits = cap;
+      Plan p(capacity_for(shape, options));
+      make_plan(p, shape, options);
+      return p;
+    });
+    rows_ = shape.query_start.empty() ? std::int64_t(shape.num_seqs()) * params_.q_len
+                                      : std::int64_t(shape.query_start.back());
+  }
+  ~Step() override {
+    if (workspace_) HostWorkspaces::give_back(std::move(workspace_), workspace_capacity_);
+  }
+
+  // The plan for one layer: its cache (any format and scales) and its q / output rows.
+  void run(at::Tensor& output, const at::Tensor& q, const at::Tensor& kv_cache,
+           const at::Tensor& k_scale, const at::Tensor& v_scale, const std::string& kv_format,
+           const std::string& layout, double softmax_scale) {
+    check_rows(q, "q", 0);
+    check_rows(output, "output");
+    check_same_device(output, "output", q, "q");
+    check_same_device(kv_cache, "kv_cache", q, "q");
+    if (q.device().type() != device_.type()) {
+      raise_value_error("q: on " + q.device().str() + ", but the step was planned for " +
+                        device_.str());
+    }
+    if (q.size(0) < rows_ || q.size(1) != params_.num_q_heads) {
+      raise_value_error("q: shape " + shape_of(q) + ", the step has " + std::to_string(rows_) +
+                        " query rows of " + std::to_string(params_.num_q_heads) + " heads");
+    }
+    if (output.sizes() != q.sizes()) {
+      raise_value_error("output: shape " + shape_of(output) + ", expected " + shape_of(q));
+    }
+    const std::int64_t head_dim = q.size(2);
+    check_head_dim(head_dim, "q");
+    if (rows_ == 0) return;
+    const CacheTensor cache =
+        cache_tensor(kv_cache, kv_format, layout, int(head_dim), k_scale, v_scale);
+    // Only the step's rows: vLLM pads its query and output tensors past them.
+    const at::Tensor q_rows = q.narrow(0, 0, rows_), o_rows = output.narrow(0, 0, rows_);
+    const at::Tensor q32 = as_float32_rows(q_rows);
+    const OutputRows out = output_rows(o_rows);
+    DecodeParams params = params_;
+    params.softmax_scale = float(softmax_scale);
+    const DecodeArgs args = decode_args(cache.view, batch_, params, q32, out.o32);
+    with_op_errors([&] {
+      validate(args);
+      const std::string why = backend_->unsupported_reason(args.cache.geometry, args.params);
+      MJOLNIR_REQUIRE(why.empty(), "backend ", backend_->name(), ": ", why);
+    });
+    std::span<std::byte> workspace;
+    if (device_.is_cpu()) {
+      const std::size_t bytes = with_op_errors(
+          [&] { return backend_->workspace_bytes(plan_, args.cache.geometry, args.params); });
+      if (bytes > workspace_capacity_ || !workspace_) {
+        if (workspace_) HostWorkspaces::give_back(std::move(workspace_), workspace_capacity_);
+        workspace_ = HostWorkspaces::take(bytes, workspace_capacity_);
+      }
+      workspace = {workspace_.get(), bytes};
+    }
+    run_planned(*backend_, args, plan_, workspace, q.device());
+    if (!out.direct) o_rows.copy_(out.o32);
+  }
+
+  std::int64_t num_items() const { return plan_.num_items; }
+  std::int64_t num_query_tiles() const { return plan_.num_query_tiles; }
+  std::int64_t workers() const { return backend_->workers(); }
+  std::int64_t query_rows() const { return rows_; }
+
+ private:
+  StepTensors tensors_;
+  PagedBatch batch_;
+  DecodeParams params_;
+  at::Device device_;
+  const Backend* backend_;
+  Plan plan_;
+  std::int64_t rows_ = 0;
+  std::unique_ptr<std::byte[]> workspace_;
+  std::size_t workspace_capacity_ = 0;
+};
+
+c10::intrusive_ptr<Step> plan_step(const at::Tensor& seq_lens, const at::Tensor& block_table,
+                                   const OptionalTensor& query_start, std::int64_t q_len,
+                                   std::int64_t num_q_heads, std::int64_t num_kv_heads, bool causal,
+                                   const std::string& q_mode, const std::string& p_mode,
+                                   std::int64_t max_splits, std::int64_t threads,
+                                   const std::string& backend) {
+  return c10::make_intrusive<Step>(seq_lens, block_table, query_start, q_len, num_q_heads,
+                                   num_kv_heads, causal, q_mode, p_mode, max_splits, threads,
+                                   backend);
+}
+
+void attend(const c10::intrusive_ptr<Step>& step, at::Tensor output, const at::Tensor& q,
+            const at::Tensor& kv_cache, const at::Tensor& k_scale, const at::Tensor& v_scale,
+            const std::string& kv_format, const std::string& layout, double softmax_scale) {
+  step->run(output, q, kv_cache, k_scale, v_scale, kv_format, layout, softmax_scale);
+}
+
+// --- Meta kernels: shapes only, for torch.compile and FakeTensor -------------------------------
+
+// Every tensor argument on the meta device; a real tensor among them is a caller's mistake (the
+// dispatcher picks this kernel when any argument is meta), not a step to skip silently.
+void require_meta(std::initializer_list<std::pair<const at::Tensor*, const char*>> tensors) {
+  for (const auto& [t, name] : tensors) {
+    if (t->defined() && !t->is_meta()) {
+      raise_value_error(std::string(name) + ": on " + t->device().str() +
+                        ", but other arguments are on meta");
+    }
+  }
+}
+
+at::Tensor decode_meta(const at::Tensor& q, const at::Tensor& kv_cache,
+                       const at::Tensor& block_table, const at::Tensor& seq_lens,
+                       const at::Tensor& k_scale, const at::Tensor& v_scale, const std::string&,
+                       std::int64_t, const std::string&, bool, double, const std::string&,
+                       const std::string&, std::int64_t, std::int64_t, const std::string&,
+                       const OptionalTensor& query_start) {
+  const at::Tensor none;
+  require_meta({{&q, "q"},
+                {&kv_cache, "kv_cache"},
+                {&block_table, "block_table"},
+                {&seq_lens, "seq_lens"},
+                {&k_scale, "k_scale"},
+                {&v_scale, "v_scale"},
+                {query_start ? &*query_start : &none, "query_start"}});
+  return at::empty(q.sizes(), q.options());
+}
+
+void decode_into_meta(at::Tensor output, const at::Tensor& q, const at::Tensor& kv_cache,
+                      const at::Tensor& block_table, const at::Tensor& seq_lens,
+                      const at::Tensor& k_scale, const at::Tensor& v_scale, const std::string&,
+                      std::int64_t, const std::string&, bool, double, const std::string&,
+                      const std::string&, std::int64_t, std::int64_t, const std::string&,
+                      const OptionalTensor& query_start) {
+  const at::Tensor none;
+  require_meta({{&output, "output"},
+                {&q, "q"},
+                {&kv_cache, "kv_cache"},
+                {&block_table, "block_table"},
+                {&seq_lens, "seq_lens"},
+                {&k_scale, "k_scale"},
+                {&v_scale, "v_scale"},
+                {query_start ? &*query_start : &none, "query_start"}});
+}
+
+void write_kv_meta(const at::Tensor& key, const at::Tensor& value, at::Tensor kv_cache,
+                   const at::Tensor& slot_mapping, const at::Tensor& k_scale,
+                   const at::Tensor& v_scale, const std::string&, const std::string&) {
+  require_meta({{&key, "key"},
+                {&value, "value"},
+                {&kv_cache, "kv_cache"},
+                {&slot_mapping, "slot_mapping"},
+                {&k_scale, "k_scale"},
+                {&v_scale, "v_scale"}});
+}
+
+}  // namespace
+}  // namespace mjolnir::python
+
+TORCH_LIBRARY(mjolnir, m) {
+  using namespace mjolnir::python;
+  m.class_<Step>("Step")
+      .def("num_items", &Step::num_items)
+      .def("num_query_tiles", &Step::num_query_tiles)
+      .def("workers", &Step::workers)
+      .def("query_rows", &Step::query_rows);
+  m.def(
+      "write_kv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping, "
+      "Tensor k_scale, Tensor v_scale, str kv_format, str layout=\"2BNHD\") -> ()");
+#define MJOLNIR_DECODE_ARGS                                                               \
+  "Tensor q, Tensor kv_cache, Tensor block_table, Tensor seq_lens, Tensor k_scale, "      \
+  "Tensor v_scale, str kv_format, int q_len=1, str layout=\"2BNHD\", bool causal=True, "  \
+  "float softmax_scale=0.0, str q_mode=\"fp32\", str p_mode=\"fp32\", int max_splits=0, " \
+  "int threads=0, str backend=\"\", Tensor? query_start=None"
+  m.def("decode(" MJOLNIR_DECODE_ARGS ") -> Tensor");
+  m.def("decode_into(Tensor(a!) output, " MJOLNIR_DECODE_ARGS ") -> ()");
+#undef MJOLNIR_DECODE_ARGS
+  m.def(
+      "plan_step(Tensor seq_lens, Tensor block_table, Tensor? query_start, int q_len, "
+      "int num_q_heads, int num_kv_heads, bool causal=True, str q_mode=\"fp32\", "
+      "str p_mode=\"fp32\", int max_splits=0, int threads=0, str backend=\"cpu\") -> "
+      "__torch__.torch.classes.mjolnir.Step",
+      &plan_step);
+  m.def(
+      "attend(__torch__.torch.classes.mjolnir.Step step, Tensor(a!) output, Tensor q, "
+      "Tensor kv_cache, Tensor k_scale, Tensor v_scale, str kv_format, "
+      "str layout=\"2BNHD\", float softmax_scale=0.0) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(mjolnir, CPU, m) {
+  using namespace mjolnir::python;
+  m.impl("write_kv", &write_kv_op);
+  m.impl("decode", &decode);
+  m.impl("decode_into", &decode_into);
+  m.impl("attend", &attend);
+}
+
+#if MJOLNIR_PY_CUDA
+TORCH_LIBRARY_IMPL(mjolnir, CUDA, m) {
+  using namespace mjolnir::python;
+  m.impl("write_kv", &write_kv_op);
+  m.impl("decode", &decode);
+  m.impl("decode_into", &decode_into);
+  m.impl("attend", &attend);
+}
+#endif
+
+TORCH_LIBRARY_IMPL(mjolnir, Meta, m) {
+  using namespace mjolnir::python;
+  m.impl("write_kv", &write_kv_meta);
+  m.impl("decode", &decode_meta);
+  m.impl("decode_into", &decode_into_meta);
+}
