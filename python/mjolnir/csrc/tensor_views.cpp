@@ -1,7 +1,11 @@
 // Torch tensors as the library's views (see tensor_views.h).
 #include "tensor_views.h"
 
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
+#include <c10/util/Half.h>
 
 #include <map>
 #include <memory>
@@ -48,14 +52,132 @@ std::size_t byte_extent(const at::Tensor& t) {
   return std::size_t(elements) * t.element_size();
 }
 
-at::Tensor host_scales(const at::Tensor& s, std::string_view name) {
-  if (!at::isFloatingType(s.scalar_type())) {
-    fail(name, ": expected a float tensor, got ", dtype_name(s.scalar_type()));
-  }
-  return s.detach().to(at::kCPU, at::kFloat).contiguous().reshape(-1);
+template <class T>
+void convert_rows(const T* src, std::int64_t src_token, std::int64_t src_head, float* dst,
+                  std::int64_t rows, std::int64_t heads, std::int64_t d) {
+  at::parallel_for(0, rows, 64, [&](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t r = begin; r < end; ++r) {
+      for (std::int64_t h = 0; h < heads; ++h) {
+        const T* __restrict s = src + r * src_token + h * src_head;
+        float* __restrict o = dst + (r * heads + h) * d;
+        for (std::int64_t c = 0; c < d; ++c) o[c] = static_cast<float>(s[c]);
+      }
+    }
+  });
+}
+
+template <class T>
+void store_rows(const float* src, T* dst, std::int64_t dst_token, std::int64_t dst_head,
+                std::int64_t rows, std::int64_t heads, std::int64_t d) {
+  at::parallel_for(0, rows, 64, [&](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t r = begin; r < end; ++r) {
+      for (std::int64_t h = 0; h < heads; ++h) {
+        const float* __restrict s = src + (r * heads + h) * d;
+        T* __restrict o = dst + r * dst_token + h * dst_head;
+        for (std::int64_t c = 0; c < d; ++c) o[c] = T(s[c]);
+      }
+    }
+  });
+}
+
+bool direct_float_rows(const at::Tensor& t) {
+  return t.scalar_type() == at::kFloat && (t.numel() == 0 || t.stride(-1) == 1);
+}
+
+// Scratch of more than this many floats is let go after the call (a prompt's rows), so that
+// a long prefill does not keep its buffers for the rest of the process.
+constexpr std::size_t kKeptScratchFloats = std::size_t(4) << 20;
+
+float* scratch_rows(std::vector<float>& scratch, std::size_t floats) {
+  if (scratch.size() < floats) scratch.resize(floats);
+  return scratch.data();
 }
 
 }  // namespace
+
+std::span<const float> host_floats(const at::Tensor& t, std::string_view name, at::Tensor& keep) {
+  if (!at::isFloatingType(t.scalar_type())) {
+    fail(name, ": expected a float tensor, got ", dtype_name(t.scalar_type()));
+  }
+  if (t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous()) {
+    return {t.const_data_ptr<float>(), std::size_t(t.numel())};
+  }
+  keep = t.detach().to(at::kCPU, at::kFloat).contiguous();
+  return {keep.const_data_ptr<float>(), std::size_t(keep.numel())};
+}
+
+FloatRows float_rows_in(const at::Tensor& t, std::int64_t rows, std::vector<float>& scratch) {
+  FloatRows out;
+  if (direct_float_rows(t)) {
+    out.data = static_cast<float*>(t.data_ptr());
+    out.token_stride = t.stride(0);
+    out.head_stride = t.stride(1);
+    return out;
+  }
+  const std::int64_t heads = t.size(1), d = t.size(2);
+  out.converted = true;
+  out.token_stride = heads * d;
+  out.head_stride = d;
+  if (!t.device().is_cpu()) {
+    out.device_copy = t.narrow(0, 0, rows).to(at::kFloat).contiguous();
+    out.data = out.device_copy.data_ptr<float>();
+    return out;
+  }
+  out.data = scratch_rows(scratch, std::size_t(rows * heads * d));
+  if (t.scalar_type() == at::kBFloat16) {
+    convert_rows(t.const_data_ptr<c10::BFloat16>(), t.stride(0), t.stride(1), out.data, rows, heads,
+                 d);
+  } else if (t.scalar_type() == at::kHalf) {
+    convert_rows(t.const_data_ptr<c10::Half>(), t.stride(0), t.stride(1), out.data, rows, heads, d);
+  } else {  // float32 whose channels are not contiguous
+    const at::Tensor copy = t.narrow(0, 0, rows).contiguous();
+    convert_rows(copy.const_data_ptr<float>(), copy.stride(0), copy.stride(1), out.data, rows,
+                 heads, d);
+  }
+  return out;
+}
+
+FloatRows float_rows_out(const at::Tensor& out, std::int64_t rows, std::vector<float>& scratch) {
+  FloatRows r;
+  if (direct_float_rows(out)) {
+    r.data = static_cast<float*>(out.data_ptr());
+    r.token_stride = out.stride(0);
+    r.head_stride = out.stride(1);
+    return r;
+  }
+  const std::int64_t heads = out.size(1), d = out.size(2);
+  r.converted = true;
+  r.token_stride = heads * d;
+  r.head_stride = d;
+  if (!out.device().is_cpu()) {
+    r.device_copy = at::empty({rows, heads, d}, out.options().dtype(at::kFloat));
+    r.data = r.device_copy.data_ptr<float>();
+    return r;
+  }
+  r.data = scratch_rows(scratch, std::size_t(rows * heads * d));
+  return r;
+}
+
+void finish_rows_out(const at::Tensor& out, std::int64_t count, const FloatRows& rows) {
+  if (!rows.converted) return;
+  if (rows.device_copy.defined()) {
+    out.narrow(0, 0, count).copy_(rows.device_copy);
+    return;
+  }
+  const std::int64_t heads = out.size(1), d = out.size(2);
+  if (out.scalar_type() == at::kBFloat16) {
+    store_rows(rows.data, out.data_ptr<c10::BFloat16>(), out.stride(0), out.stride(1), count, heads,
+               d);
+  } else if (out.scalar_type() == at::kHalf) {
+    store_rows(rows.data, out.data_ptr<c10::Half>(), out.stride(0), out.stride(1), count, heads, d);
+  } else {
+    store_rows(rows.data, out.data_ptr<float>(), out.stride(0), out.stride(1), count, heads, d);
+  }
+}
+
+void release_scratch(std::vector<float>& scratch) {
+  if (scratch.size() > kKeptScratchFloats) std::vector<float>().swap(scratch);
+}
 
 std::string dtype_name(c10::ScalarType type) {
   switch (type) {
@@ -138,11 +260,6 @@ at::Tensor host_int32(const at::Tensor& t, std::string_view name, int dims) {
   return t.device().is_cpu() && t.is_contiguous() ? t : t.detach().to(at::kCPU).contiguous();
 }
 
-at::Tensor as_float32_rows(const at::Tensor& t) {
-  if (t.scalar_type() == at::kFloat && (t.numel() == 0 || t.stride(-1) == 1)) return t;
-  return t.to(at::kFloat).contiguous();
-}
-
 void check_same_device(const at::Tensor& t, std::string_view name, const at::Tensor& first,
                        std::string_view first_name) {
   if (t.device() != first.device()) {
@@ -194,10 +311,10 @@ CacheTensor cache_tensor(const at::Tensor& kv_cache, std::string_view kv_format,
   }
 
   CacheTensor out;
-  out.k_scale = host_scales(k_scale, "k_scale");
-  out.v_scale = host_scales(v_scale, "v_scale");
+  const std::span<const float> ks = host_floats(k_scale, "k_scale", out.k_scale);
+  const std::span<const float> vs = host_floats(v_scale, "v_scale", out.v_scale);
   const std::int64_t hk = size[int('H')];
-  const std::int64_t count = out.k_scale.numel();
+  const std::int64_t count = std::int64_t(ks.size());
   // Later entries win where counts coincide (Hk = 1), as the Python ops decided it.
   ScaleGranularity granularity = ScaleGranularity::tensor;
   if (count == hk * head_dim) {
@@ -208,8 +325,8 @@ CacheTensor cache_tensor(const at::Tensor& kv_cache, std::string_view kv_format,
     fail("k_scale: ", count, " values; expected 1 (per tensor), ", hk, " (per KV head) or ",
          hk * head_dim, " (per KV head and channel)");
   }
-  if (out.v_scale.numel() != count) {
-    fail("v_scale: ", out.v_scale.numel(), " values, but k_scale has ", count,
+  if (std::int64_t(vs.size()) != count) {
+    fail("v_scale: ", vs.size(), " values, but k_scale has ", count,
          "; both must have the same granularity");
   }
   KvCacheView& view = out.view;
@@ -223,8 +340,8 @@ CacheTensor cache_tensor(const at::Tensor& kv_cache, std::string_view kv_format,
   view.data = static_cast<std::byte*>(kv_cache.data_ptr());
   view.bytes = byte_extent(kv_cache);
   view.granularity = granularity;
-  view.k_scale = {out.k_scale.data_ptr<float>(), std::size_t(count)};
-  view.v_scale = {out.v_scale.data_ptr<float>(), std::size_t(count)};
+  view.k_scale = ks;
+  view.v_scale = vs;
   return out;
 }
 

@@ -6,8 +6,10 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "mjolnir/cache.h"
 #include "mjolnir/decode.h"
@@ -33,7 +35,7 @@ decltype(auto) with_op_errors(F&& fn);
 // scales [1], [Hk] or [Hk * D] (float, any device: they are read on the host).
 struct CacheTensor {
   KvCacheView view;
-  at::Tensor k_scale, v_scale;  // host float32 copies the view's spans point into
+  at::Tensor k_scale, v_scale;  // host float32 copies the view's spans point into, if made
 };
 CacheTensor cache_tensor(const at::Tensor& kv_cache, std::string_view kv_format,
                          std::string_view layout, int head_dim, const at::Tensor& k_scale,
@@ -46,8 +48,26 @@ void check_rows(const at::Tensor& t, std::string_view name, std::int64_t expect_
 void check_head_dim(std::int64_t head_dim, std::string_view name);
 // An int32 tensor of `dims` dimensions, contiguous on the host (copied when it is not).
 at::Tensor host_int32(const at::Tensor& t, std::string_view name, int dims);
-// t itself when it is float32 with the last dimension contiguous, else a float32 copy.
-at::Tensor as_float32_rows(const at::Tensor& t);
+// Rows [0, rows) of a [tokens, heads, D] tensor as the float32 rows the library reads or
+// writes: the tensor's own memory when it is float32 with D contiguous, else `scratch` (host
+// tensors convert by a loop, bf16 and fp16 rounding to nearest even; device tensors through
+// torch). No torch operator on the host path: at a decode step of a short context each costs
+// about what the kernel does.
+struct FloatRows {
+  float* data = nullptr;
+  std::int64_t token_stride = 0, head_stride = 0;
+  bool converted = false;
+  at::Tensor device_copy;  // device tensors: the float32 copy that holds the rows
+};
+FloatRows float_rows_in(const at::Tensor& t, std::int64_t rows, std::vector<float>& scratch);
+FloatRows float_rows_out(const at::Tensor& out, std::int64_t rows, std::vector<float>& scratch);
+// Stores what the library wrote into `rows` back into `out`, when it went to scratch.
+void finish_rows_out(const at::Tensor& out, std::int64_t count, const FloatRows& rows);
+// Lets a prompt-sized scratch go after its call; a decode step's stays for the next.
+void release_scratch(std::vector<float>& scratch);
+// Per-tensor scales etc.: float32 host values without a copy when they already are, else a
+// float32 host copy in `keep`.
+std::span<const float> host_floats(const at::Tensor& t, std::string_view name, at::Tensor& keep);
 // Every tensor on `device` (the first argument's), naming the first that is not.
 void check_same_device(const at::Tensor& t, std::string_view name, const at::Tensor& first,
                        std::string_view first_name);

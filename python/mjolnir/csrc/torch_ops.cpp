@@ -125,27 +125,44 @@ StepTensors step_tensors(const at::Tensor& block_table, const at::Tensor& seq_le
   return t;
 }
 
-// O in float32 with channels contiguous: `output` itself, or a buffer copied into it after.
-struct OutputRows {
-  at::Tensor o32;
-  bool direct = false;
-};
-OutputRows output_rows(const at::Tensor& output) {
-  const bool direct =
-      output.scalar_type() == at::kFloat && (output.numel() == 0 || output.stride(-1) == 1);
-  return {direct ? output : at::empty(output.sizes(), output.options().dtype(at::kFloat)), direct};
-}
-
 DecodeArgs decode_args(const KvCacheView& cache, const PagedBatch& batch,
-                       const DecodeParams& params, const at::Tensor& q32, const at::Tensor& o32) {
+                       const DecodeParams& params, const FloatRows& q, const FloatRows& o) {
   DecodeArgs args;
   args.cache = cache;
   args.batch = batch;
   args.params = params;
-  args.q = {q32.data_ptr<float>(), q32.stride(0), q32.stride(1)};
-  args.o = {o32.data_ptr<float>(), o32.stride(0), o32.stride(1)};
+  args.q = {q.data, q.token_stride, q.head_stride};
+  args.o = {o.data, o.token_stride, o.head_stride};
   return args;
 }
+
+// The float32 rows of q and o a call hands the library when the tensors are not float32 (a
+// bf16 model's): per calling thread, kept between decode steps.
+struct RowScratch {
+  std::vector<float> q, o;
+  ~RowScratch() = default;
+  void release() {
+    release_scratch(q);
+    release_scratch(o);
+  }
+};
+RowScratch& row_scratch() {
+  thread_local RowScratch scratch;
+  return scratch;
+}
+
+// A host workspace from HostWorkspaces for one call, given back when it ends.
+class CallWorkspace {
+ public:
+  explicit CallWorkspace(std::size_t bytes)
+      : bytes_(bytes), buffer_(HostWorkspaces::take(bytes, capacity_)) {}
+  ~CallWorkspace() { HostWorkspaces::give_back(std::move(buffer_), capacity_); }
+  std::span<std::byte> span() { return {buffer_.get(), bytes_}; }
+
+ private:
+  std::size_t bytes_, capacity_ = 0;
+  std::unique_ptr<std::byte[]> buffer_;
+};
 
 #if MJOLNIR_PY_CUDA
 // The library's CUDA backend runs on the legacy default stream and waits for itself: the
@@ -209,9 +226,10 @@ void decode_step(at::Tensor& output, const at::Tensor& q, const at::Tensor& kv_c
   }
   if (num_tokens == 0) return;  // an empty step: nothing to read or write
 
-  const at::Tensor q32 = as_float32_rows(q);
-  const OutputRows out = output_rows(output);
-  const DecodeArgs args = decode_args(cache.view, step.batch(), params, q32, out.o32);
+  RowScratch& scratch = row_scratch();
+  const FloatRows q32 = float_rows_in(q, num_tokens, scratch.q);
+  const FloatRows o32 = float_rows_out(output, num_tokens, scratch.o);
+  const DecodeArgs args = decode_args(cache.view, step.batch(), params, q32, o32);
   with_op_errors([&] {
     validate(args);
     const std::string why = backend.unsupported_reason(args.cache.geometry, args.params);
@@ -228,12 +246,11 @@ void decode_step(at::Tensor& output, const at::Tensor& q, const at::Tensor& kv_c
     make_plan(p, shape, options);
     return p;
   });
-  std::vector<std::byte> workspace;
-  if (q.device().is_cpu()) {
-    workspace.resize(backend.workspace_bytes(plan, args.cache.geometry, args.params));
-  }
-  run_planned(backend, args, plan, workspace, q.device());
-  if (!out.direct) output.copy_(out.o32);
+  CallWorkspace workspace(
+      q.device().is_cpu() ? backend.workspace_bytes(plan, args.cache.geometry, args.params) : 0);
+  run_planned(backend, args, plan, workspace.span(), q.device());
+  finish_rows_out(output, num_tokens, o32);
+  scratch.release();
 }
 
 void decode_into(at::Tensor output, const at::Tensor& q, const at::Tensor& kv_cache,
@@ -291,11 +308,19 @@ void write_kv_op(const at::Tensor& key, const at::Tensor& value, at::Tensor kv_c
                       " slots, but key has " + std::to_string(num_tokens) + " tokens");
   }
   if (num_tokens == 0) return;
-  const at::Tensor k32 = as_float32_rows(key), v32 = as_float32_rows(value);
-  const TokenRows k_rows{k32.data_ptr<float>(), k32.stride(0), k32.stride(1)};
-  const TokenRows v_rows{v32.data_ptr<float>(), v32.stride(0), v32.stride(1)};
+  RowScratch& scratch = row_scratch();
+  const FloatRows k32 = float_rows_in(key, num_tokens, scratch.q);
+  const FloatRows v32 = float_rows_in(value, num_tokens, scratch.o);
+  const TokenRows k_rows{k32.data, k32.token_stride, k32.head_stride};
+  const TokenRows v_rows{v32.data, v32.token_stride, v32.head_stride};
+  struct Release {
+    RowScratch& s;
+    ~Release() { s.release(); }
+  } release{scratch};
   if (key.device().is_cpu()) {
-    const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
+    const at::Tensor slots = slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous()
+                                 ? slot_mapping
+                                 : slot_mapping.to(at::kLong).contiguous();
     with_op_errors([&] {
       write_kv(cache.view, k_rows, v_rows,
                {slots.data_ptr<std::int64_t>(), std::size_t(num_tokens)});
@@ -388,12 +413,12 @@ class Step final : public torch::CustomClassHolder {
     const CacheTensor cache =
         cache_tensor(kv_cache, kv_format, layout, int(head_dim), k_scale, v_scale);
     // Only the step's rows: vLLM pads its query and output tensors past them.
-    const at::Tensor q_rows = q.narrow(0, 0, rows_), o_rows = output.narrow(0, 0, rows_);
-    const at::Tensor q32 = as_float32_rows(q_rows);
-    const OutputRows out = output_rows(o_rows);
+    RowScratch& scratch = row_scratch();
+    const FloatRows q32 = float_rows_in(q, rows_, scratch.q);
+    const FloatRows o32 = float_rows_out(output, rows_, scratch.o);
     DecodeParams params = params_;
     params.softmax_scale = float(softmax_scale);
-    const DecodeArgs args = decode_args(cache.view, batch_, params, q32, out.o32);
+    const DecodeArgs args = decode_args(cache.view, batch_, params, q32, o32);
     with_op_errors([&] {
       validate(args);
       const std::string why = backend_->unsupported_reason(args.cache.geometry, args.params);
@@ -410,7 +435,17 @@ class Step final : public torch::CustomClassHolder {
       workspace = {workspace_.get(), bytes};
     }
     run_planned(*backend_, args, plan_, workspace, q.device());
-    if (!out.direct) o_rows.copy_(out.o32);
+    finish_rows_out(output, rows_, o32);
+    scratch.release();
+  }
+
+  // step.attend(...) from Python: the operator's work without its dispatch, which for an
+  // argument that is a torchbind object goes through Python on every call.
+  void attend_method(at::Tensor output, const at::Tensor& q, const at::Tensor& kv_cache,
+                     const at::Tensor& k_scale, const at::Tensor& v_scale,
+                     const std::string& kv_format, const std::string& layout,
+                     double softmax_scale) {
+    run(output, q, kv_cache, k_scale, v_scale, kv_format, layout, softmax_scale);
   }
 
   std::int64_t num_items() const { return plan_.num_items; }
@@ -511,6 +546,7 @@ void write_kv_meta(const at::Tensor& key, const at::Tensor& value, at::Tensor kv
 TORCH_LIBRARY(mjolnir, m) {
   using namespace mjolnir::python;
   m.class_<Step>("Step")
+      .def("attend", &Step::attend_method)
       .def("num_items", &Step::num_items)
       .def("num_query_tiles", &Step::num_query_tiles)
       .def("workers", &Step::workers)

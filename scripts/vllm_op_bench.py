@@ -1,0 +1,133 @@
+#!/usr/bin/env python3
+"""Per-call cost of the plugin's ops against vLLM's own CPU ops, at the shapes where that cost
+shows: short contexts, one new token per sequence.
+
+  mjolnir: Step.attend (what the plugin calls) with a plan made once per step (plan_step, timed
+           apart),
+           torch.ops.mjolnir.write_kv
+  vLLM:    torch.ops._C.cpu_attention_with_kv_cache (with its scheduler metadata, made once),
+           cpu_attn_reshape_and_cache
+
+Each op is called back to back, as the layers of a model call it, after a torch op (a matmul of
+the layer's size) so that torch's OpenMP threads are as a real step leaves them; medians over
+interleaved rounds. Needs the venv of scripts/vllm-check.sh (torch, vLLM, mjolnir installed).
+
+  build-python/venv/bin/python scripts/vllm_op_bench.py [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+
+
+def timed(fn, calls: int, between: bool) -> float:
+    """Median microseconds per call over `calls` calls, back to back or each after a matmul
+    of a layer's size (which leaves torch's threads and the caches as a model's step does)."""
+    a = torch.randn(8, 4096)  # float32: MKL's, fast on every CPU (bf16 is not on AVX2)
+    w = torch.randn(4096, 1024)
+    samples = []
+    for _ in range(calls):
+        if between:
+            torch.mm(a, w)  # the layer's projection, as in a decode step
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(samples)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--calls", type=int, default=400)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+
+    import mjolnir  # noqa: F401
+    from vllm import _custom_ops as vllm_ops
+    from vllm.platforms import current_platform
+    current_platform.import_kernels()
+
+    hq, hk, d, block = 32, 8, 128, 32
+    rows = []
+    for batch, context in ((1, 16), (8, 16), (1, 512), (8, 512)):
+        blocks_per_seq = (context + block - 1) // block
+        num_blocks = batch * blocks_per_seq + 2
+        table = torch.arange(batch * blocks_per_seq, dtype=torch.int32).reshape(batch, -1)
+        seq_lens = torch.full((batch,), context, dtype=torch.int32)
+        starts = torch.arange(batch + 1, dtype=torch.int32)
+        q = torch.randn(batch, hq, d, dtype=torch.bfloat16)
+        out = torch.empty(batch, hq * d, dtype=torch.bfloat16)
+        key = torch.randn(batch, hk, d, dtype=torch.bfloat16)
+        slots = (table[:, -1].long() * block + (context - 1) % block).contiguous()
+        one = torch.ones(1)
+
+        # vLLM's: its cache layout, its scheduler metadata made once.
+        theirs = torch.randn(num_blocks, hk, block, 2 * d).to(torch.bfloat16)
+        kc, vc = theirs.view(num_blocks, hk, 2 * block, d).chunk(2, dim=2)
+        isa = "vec"
+        sched = vllm_ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=batch, num_heads=hq, num_kv_heads=hk, head_dim=d, seq_lens=seq_lens,
+            dtype=torch.bfloat16, query_start_loc=starts, causal=True, sliding_window_size=-1,
+            isa=isa, enable_kv_split=False, kv_cache_dtype="auto")
+
+        def vllm_attention():
+            vllm_ops.cpu_attention_with_kv_cache(
+                query=q, key_cache=kc, value_cache=vc, output=out.view(batch, hq, d),
+                query_start_loc=starts, seq_lens=seq_lens, scale=d ** -0.5, causal=True,
+                alibi_slopes=None, sliding_window=-1, block_table=table, softcap=0.0,
+                scheduler_metadata=sched, s_aux=None, dynamic_causal=None, k_scale=1.0,
+                v_scale=1.0, kv_cache_dtype="auto")
+
+        def vllm_write():
+            vllm_ops.cpu_attn_reshape_and_cache(key, key, kc, vc, slots, isa, k_scale=1.0,
+                                                v_scale=1.0, kv_cache_dtype="auto")
+
+        # mjolnir's: the plugin's layout (BHN2D over the same allocation), one plan per step.
+        ours = torch.randn(num_blocks, hk, block, 2 * d).to(torch.bfloat16)
+        view = ours.view(num_blocks, hk, 2, block, d).permute(0, 1, 3, 2, 4)
+        step = torch.ops.mjolnir.plan_step(seq_lens, table, starts, 0, hq, hk)
+
+        def mjolnir_attention():  # what the plugin calls: the Step's method
+            step.attend(out.view(batch, hq, d), q, view, one, one, "bf16", "BHN2D", d ** -0.5)
+
+        def mjolnir_plan():
+            torch.ops.mjolnir.plan_step(seq_lens, table, starts, 0, hq, hk)
+
+        def mjolnir_write():
+            torch.ops.mjolnir.write_kv(key, key, view, slots, one, one, "bf16", "BHN2D")
+
+        fns = {"vllm_attention": vllm_attention, "mjolnir_attention": mjolnir_attention,
+               "mjolnir_plan_step": mjolnir_plan, "vllm_write": vllm_write,
+               "mjolnir_write": mjolnir_write}
+        for fn in fns.values():  # warm-up
+            for _ in range(20):
+                fn()
+        for between in (False, True):
+            per_round = {name: [] for name in fns}
+            for _ in range(args.rounds):
+                for name, fn in fns.items():
+                    per_round[name].append(timed(fn, args.calls, between))
+            row = {"batch": batch, "context": context,
+                   "after": "matmul" if between else "back to back",
+                   **{name + "_us": statistics.median(v) for name, v in per_round.items()}}
+            rows.append(row)
+            print(f"batch {batch} context {context} {row['after']}: " + ", ".join(
+                f"{name} {row[name + '_us']:.1f} us" for name in fns), flush=True)
+
+    result = {"machine": platform.processor() or platform.machine(),
+              "torch_threads": torch.get_num_threads(),
+              "shape": {"hq": hq, "hk": hk, "d": d, "block": block, "dtype": "bf16"},
+              "rows": rows}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
