@@ -2,6 +2,7 @@
 #pragma once
 
 #include <filesystem>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -30,6 +31,32 @@ struct ScalesFile {
 std::vector<float> scales_from_amax(std::span<const float> amax, Format format,
                                     ScaleGranularity granularity, int num_kv_heads, int head_dim,
                                     double headroom = 1.0);
+
+// Recorded per-(KV head, channel) maxima of |K| and |V| of every layer, before any scale: what
+// a calibration run writes (the vLLM plugin with MJOLNIR_ATTN_KV_CALIBRATE) and `mjolnir
+// calibrate` turns into a ScalesFile.
+struct AmaxFile {
+  static constexpr int kVersion = 1;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  struct Layer {
+    std::string name;           // the engine's layer name, in model order
+    std::vector<float> k_amax;  // [Hk * D], finite and >= 0
+    std::vector<float> v_amax;
+  };
+  std::vector<Layer> layers;
+};
+
+// JSON: {"mjolnir_amax_version": 1, "num_kv_heads": 8, "head_dim": 128,
+//        "layers": [{"name": "model.layers.0.self_attn.attn", "k_amax": [...], "v_amax": [...]}]}
+void write_amax_file(const AmaxFile& amax, const std::filesystem::path& path);
+// Throws Error naming the file and the field, as read_scales_file does.
+AmaxFile read_amax_file(const std::filesystem::path& path);
+AmaxFile parse_amax_json(const std::string& text, const std::string& source = "amax");
+
+// Every layer's scales from its recorded maxima (scales_from_amax), in the same layer order.
+ScalesFile scales_from_amax_file(const AmaxFile& amax, Format format, ScaleGranularity granularity,
+                                 double headroom = 1.0);
 
 // JSON: {"mjolnir_scales_version": 1, "format": "fp8_e4m3", "granularity": "channel",
 //        "num_kv_heads": 8, "head_dim": 128, "headroom": 1.0,

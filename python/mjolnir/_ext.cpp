@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "mjolnir/cache.h"
+#include "mjolnir/calibrate.h"
 #include "mjolnir/decode.h"
 #include "mjolnir/error.h"
 #include "mjolnir/format.h"
@@ -58,6 +59,45 @@ std::vector<std::int32_t> plan_items(std::uintptr_t seq_lens, int num_seqs, int 
                              item.partial_slot});
   }
   return rows;
+}
+
+// --- calibration files: the C++ reader and writer, so Python and the CLI agree on every rule --
+
+using AmaxLayer = std::tuple<std::string, std::vector<float>, std::vector<float>>;
+
+void write_amax(const std::string& path, int num_kv_heads, int head_dim,
+                const std::vector<AmaxLayer>& layers) {
+  AmaxFile amax;
+  amax.num_kv_heads = num_kv_heads;
+  amax.head_dim = head_dim;
+  for (const auto& [name, k, v] : layers) amax.layers.push_back({name, k, v});
+  write_amax_file(amax, path);
+}
+
+nb::dict scales_dict(const ScalesFile& scales) {
+  nb::dict out;
+  out["format"] = std::string(to_string(scales.format));
+  out["granularity"] = std::string(to_string(scales.granularity));
+  out["num_kv_heads"] = scales.num_kv_heads;
+  out["head_dim"] = scales.head_dim;
+  out["headroom"] = scales.headroom;
+  nb::list layers;
+  for (const ScalesFile::Layer& layer : scales.layers) {
+    layers.append(nb::make_tuple(layer.k_scale, layer.v_scale));
+  }
+  out["layers"] = layers;
+  return out;
+}
+
+// amax file -> scales file; returns the scales written.
+nb::dict calibrate_file(const std::string& amax_path, const std::string& format,
+                        const std::string& granularity, double headroom,
+                        const std::string& out_path) {
+  const ScalesFile scales =
+      scales_from_amax_file(read_amax_file(amax_path), parse_format(format, "format"),
+                            parse_granularity(granularity, "granularity"), headroom);
+  write_scales_file(scales, out_path);
+  return scales_dict(scales);
 }
 
 std::vector<std::string> names_of(auto&& all) {
@@ -141,6 +181,12 @@ NB_MODULE(_ext, m) {
       "backend"_a, "threads"_a = 0);
   m.def("decode_row", &decode_row_bytes, "kv_format"_a, "row"_a, "head_dim"_a);
   m.def("encode_row", &encode_row_values, "kv_format"_a, "values"_a);
+  m.def("write_amax_file", &write_amax, "path"_a, "num_kv_heads"_a, "head_dim"_a, "layers"_a);
+  m.def(
+      "read_scales_file",
+      [](const std::string& path) { return scales_dict(read_scales_file(path)); }, "path"_a);
+  m.def("calibrate", &calibrate_file, "amax_path"_a, "format"_a, "granularity"_a, "headroom"_a,
+        "out_path"_a);
   m.def("plan", &plan_items, "seq_lens"_a, "num_seqs"_a, "q_len"_a, "num_kv_heads"_a, "workers"_a,
         "max_splits"_a, "tile_tokens"_a, "min_chunk_tokens"_a, "fixed_splits"_a);
 }

@@ -13,6 +13,8 @@ from typing import Mapping, Optional
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 _MODES = ("fp32", "bf16", "fp8")
+# Where MJOLNIR_ATTN_KV_CALIBRATE=1 records.
+DEFAULT_AMAX_FILE = "mjolnir-kv-amax.json"
 # The formats MJOLNIR_ATTN_KV_FORMAT takes (every mjolnir format; "" = vLLM's kv_cache_dtype).
 FORMATS = ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "fp6_e2m3", "fp6_e3m2", "fp4_e2m1", "nvfp4")
 
@@ -52,6 +54,20 @@ def _format(env: Mapping[str, str], name: str) -> str:
     return value
 
 
+def _path(env: Mapping[str, str], name: str, flag_default: str = "") -> str:
+    """A file path; with flag_default, the boolean spellings turn it on (at flag_default) or
+    off."""
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return ""
+    value = raw.strip()
+    if flag_default and value.lower() in _TRUE:
+        return flag_default
+    if flag_default and value.lower() in _FALSE:
+        return ""
+    return value
+
+
 def _mode(env: Mapping[str, str], name: str, default: str) -> str:
     raw = env.get(name)
     if raw is None or raw.strip() == "":
@@ -73,6 +89,8 @@ class AttnConfig:
     max_splits: int = 16  # MJOLNIR_ATTN_MAX_SPLITS: cap on split-KV chunks per sequence
     threads: int = 0  # MJOLNIR_ATTN_THREADS: CPU worker threads of mjolnir's own, 0 = torch's
     kv_format: str = ""  # MJOLNIR_ATTN_KV_FORMAT: the cache's format, "" = vLLM's kv_cache_dtype
+    kv_scales: str = ""  # MJOLNIR_ATTN_KV_SCALES: a scales file (python -m mjolnir.calibrate)
+    kv_calibrate: str = ""  # MJOLNIR_ATTN_KV_CALIBRATE: record amax to this file (1: the default)
 
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "AttnConfig":
@@ -85,6 +103,8 @@ class AttnConfig:
             max_splits=_int(env, "MJOLNIR_ATTN_MAX_SPLITS", 16, 1, 256),
             threads=_int(env, "MJOLNIR_ATTN_THREADS", 0, 0, 4096),
             kv_format=_format(env, "MJOLNIR_ATTN_KV_FORMAT"),
+            kv_scales=_path(env, "MJOLNIR_ATTN_KV_SCALES"),
+            kv_calibrate=_path(env, "MJOLNIR_ATTN_KV_CALIBRATE", DEFAULT_AMAX_FILE),
         )
 
 
@@ -97,4 +117,6 @@ ENV_VARS = (
     "MJOLNIR_ATTN_MAX_SPLITS",
     "MJOLNIR_ATTN_THREADS",
     "MJOLNIR_ATTN_KV_FORMAT",
+    "MJOLNIR_ATTN_KV_SCALES",
+    "MJOLNIR_ATTN_KV_CALIBRATE",
 )

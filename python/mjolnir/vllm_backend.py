@@ -31,6 +31,7 @@ from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttenti
 from vllm.v1.attention.backends.utils import get_num_attention_heads_from_layers
 
 from . import _ext, ops  # noqa: F401  (registers torch.ops.mjolnir)
+from . import calibrate
 from .config import AttnConfig
 
 # vLLM cache dtype names -> mjolnir formats ("auto" = the cache holds the model dtype).
@@ -78,6 +79,43 @@ def packed_spec(impl: "MjolnirCPUAttentionImpl", spec):
     return packed if impl.owner_reason(probe) is None else None
 
 
+# Layer name -> index into a scales file: the layers mjolnir owns, in calibrate.layer_order
+# (filled by the metadata builders, once the model's layers and cache specs are known).
+_LAYER_INDEX: dict = {}
+
+
+def index_layers(vllm_config, config: AttnConfig) -> None:
+    """Numbers the layers mjolnir owns, as a calibration run recorded them, and checks the
+    scales file (MJOLNIR_ATTN_KV_SCALES) against them: ValueError naming the file and field
+    at engine start-up when it is for another model or format."""
+    if _LAYER_INDEX:
+        return
+    owned = {}
+    for name, layer in get_layers_from_vllm_config(vllm_config, Attention).items():
+        impl = layer.impl
+        if not isinstance(impl, MjolnirCPUAttentionImpl):
+            continue
+        spec = layer.get_kv_cache_spec(vllm_config)
+        if spec is None or impl.owner_reason(spec_probe(spec)) is not None:
+            continue
+        owned[name] = impl
+    names = sorted(owned, key=calibrate.layer_order)
+    if config.kv_scales and names:
+        first = owned[names[0]]
+        fmt = first.mjolnir_format(spec_probe(
+            get_layers_from_vllm_config(vllm_config, Attention)[names[0]]
+            .get_kv_cache_spec(vllm_config)))
+        calibrate.scales(config.kv_scales).check(names, first.num_kv_heads, first.head_size, fmt)
+        logger.info("mjolnir: %s scales of %s for %d layers", fmt, config.kv_scales, len(names))
+    _LAYER_INDEX.update((name, i) for i, name in enumerate(names))
+
+
+def spec_probe(spec) -> torch.Tensor:
+    """A meta tensor shaped as the cache vLLM allocates from `spec`."""
+    return torch.empty((1, spec.num_kv_heads, spec.block_size, spec.head_size + spec.head_size_v),
+                       dtype=spec.dtype, device="meta")
+
+
 class MjolnirCPUAttentionBackend(CPUAttentionBackend):
     """vLLM's CPU attention backend with mjolnir attention. Same name and cache allocation as
     CPUAttentionBackend; its own impl and metadata builder."""
@@ -106,10 +144,7 @@ class MjolnirCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         layers = get_layers_from_vllm_config(vllm_config, Attention, layer_names)
         impls = [layer.impl for layer in layers.values()]
-        # The cache tensors these layers will get, as vLLM allocates them from the spec.
-        probe = torch.empty((1, kv_cache_spec.num_kv_heads, kv_cache_spec.block_size,
-                             kv_cache_spec.head_size + kv_cache_spec.head_size_v),
-                            dtype=kv_cache_spec.dtype, device="meta")
+        probe = spec_probe(kv_cache_spec)  # the cache tensors these layers will get
         reasons = [impl.owner_reason(probe) if isinstance(impl, MjolnirCPUAttentionImpl)
                    else "not mjolnir's impl" for impl in impls]
         self.mjolnir_only = bool(impls) and all(r is None for r in reasons)
@@ -135,6 +170,7 @@ class MjolnirCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         else:
             super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.config = AttnConfig.from_env()
+        index_layers(vllm_config, self.config)
         owned = sum(r is None for r in reasons)
         fmt = impls[0].mjolnir_format(probe) if owned else None
         logger.info(
@@ -236,12 +272,25 @@ class MjolnirCPUAttentionImpl(CPUAttentionBackendImpl):
         return view
 
     def scales(self, layer):
-        """The layer's K and V scales as tensors: 1 for bf16 / fp16, else vLLM's per-tensor
-        scales (kept per layer, remade only when vLLM's values change)."""
-        if self.mjolnir_format_of_layer() in ("bf16", "fp16"):
+        """The layer's K and V scales as tensors: 1 for bf16 / fp16; the scales file's
+        (MJOLNIR_ATTN_KV_SCALES); else vLLM's per-tensor scales (kept per layer, remade only
+        when vLLM's values change)."""
+        fmt = self.mjolnir_format_of_layer()
+        config = self._config()
+        if config.kv_scales and fmt not in ("bf16", "fp16"):
+            index = _LAYER_INDEX.get(getattr(layer, "layer_name", None))
+            if index is not None:
+                return calibrate.scales(config.kv_scales).layers[index]
+        if fmt in ("bf16", "fp16"):
             k, v = 1.0, 1.0
         else:
             k, v = float(layer._k_scale_float), float(layer._v_scale_float)
+            if "per-tensor scales" not in self._logged:
+                self._logged.add("per-tensor scales")
+                logger.warning(
+                    "mjolnir: the %s cache uses vLLM's per-tensor scales (k %g, v %g here); "
+                    "calibrated per-channel scales are more accurate: python -m "
+                    "mjolnir.calibrate, then MJOLNIR_ATTN_KV_SCALES", fmt, k, v)
         cached = self.__dict__.get("_mjolnir_scales")
         if cached is None or cached[0] != (k, v):
             cached = ((k, v), torch.tensor([k]), torch.tensor([v]))
@@ -275,6 +324,9 @@ class MjolnirCPUAttentionImpl(CPUAttentionBackendImpl):
         if not self._owns(kv_cache):
             return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
         n = slot_mapping.numel()
+        if self._config().kv_calibrate:
+            calibrate.recorder(self._config().kv_calibrate).record(
+                getattr(layer, "layer_name", str(id(layer))), key[:n], value[:n], slot_mapping)
         k_scale, v_scale = self.scales(layer)
         torch.ops.mjolnir.write_kv(key[:n], value[:n], self.cache_view(kv_cache),
                                    slot_mapping, k_scale, v_scale,

@@ -30,6 +30,9 @@ def register() -> bool:
     if config.disable:
         logger.info("mjolnir: MJOLNIR_ATTN_DISABLE is set; vLLM's own attention is used")
         return False
+    if config.kv_scales:
+        from .calibrate import scales
+        scales(config.kv_scales)  # a missing or malformed file fails here, naming the field
     try:
         from vllm.platforms import current_platform
         from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend

@@ -21,8 +21,13 @@ def test_values():
     env = {"MJOLNIR_ATTN_DISABLE": "yes", "MJOLNIR_ATTN_FALLBACK": "0",
            "MJOLNIR_ATTN_Q_DTYPE": "FP8", "MJOLNIR_ATTN_P_DTYPE": "bf16",
            "MJOLNIR_ATTN_MAX_SPLITS": "32", "MJOLNIR_ATTN_THREADS": "3",
-           "MJOLNIR_ATTN_KV_FORMAT": "FP4_E2M1"}
-    assert AttnConfig.from_env(env) == AttnConfig(True, False, "fp8", "bf16", 32, 3, "fp4_e2m1")
+           "MJOLNIR_ATTN_KV_FORMAT": "FP4_E2M1", "MJOLNIR_ATTN_KV_SCALES": "s.json",
+           "MJOLNIR_ATTN_KV_CALIBRATE": "yes"}
+    assert AttnConfig.from_env(env) == AttnConfig(True, False, "fp8", "bf16", 32, 3, "fp4_e2m1",
+                                                  "s.json", "mjolnir-kv-amax.json")
+    assert AttnConfig.from_env({"MJOLNIR_ATTN_KV_CALIBRATE": "run/a.json"}).kv_calibrate == \
+        "run/a.json"
+    assert AttnConfig.from_env({"MJOLNIR_ATTN_KV_CALIBRATE": "0"}).kv_calibrate == ""
     assert set(env) == set(ENV_VARS)
 
 

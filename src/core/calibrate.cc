@@ -197,6 +197,52 @@ Json parse_document(const std::string& text, const std::string& source) {
   }
 }
 
+std::string read_text(const std::filesystem::path& path, const char* what) {
+  const std::string source = path.string();
+  std::error_code error;
+  const auto status = std::filesystem::status(path, error);
+  MJOLNIR_REQUIRE(std::filesystem::exists(status), source, ": file not found");
+  MJOLNIR_REQUIRE(!std::filesystem::is_directory(status), source, ": is a directory, not ", what);
+  std::ifstream file(path, std::ios::binary);
+  MJOLNIR_REQUIRE(file.is_open(), source, ": cannot be opened for reading");
+  std::ostringstream text;
+  text << file.rdbuf();
+  MJOLNIR_REQUIRE(!file.bad(), source, ": reading failed");
+  return text.str();
+}
+
+void write_text(const std::filesystem::path& path, const std::string& text) {
+  const std::string source = path.string();
+  std::ofstream file(path, std::ios::binary | std::ios::trunc);
+  MJOLNIR_REQUIRE(file.is_open(), source, ": cannot be opened for writing");
+  file << text;
+  file.close();
+  MJOLNIR_REQUIRE(!file.fail(), source, ": writing failed");
+}
+
+void check_amax_file(const AmaxFile& amax, const std::string& source) {
+  MJOLNIR_REQUIRE(amax.num_kv_heads >= 1, source, ": num_kv_heads: ", amax.num_kv_heads,
+                  " is less than 1");
+  MJOLNIR_REQUIRE(amax.head_dim >= 1, source, ": head_dim: ", amax.head_dim, " is less than 1");
+  MJOLNIR_REQUIRE(!amax.layers.empty(), source, ": layers: is empty (no layer was recorded)");
+  const std::size_t expected = std::size_t(amax.num_kv_heads) * std::size_t(amax.head_dim);
+  for (std::size_t layer = 0; layer < amax.layers.size(); ++layer) {
+    for (int kv = 0; kv < 2; ++kv) {
+      const std::vector<float>& values =
+          kv == 0 ? amax.layers[layer].k_amax : amax.layers[layer].v_amax;
+      const char* name = kv == 0 ? "k_amax" : "v_amax";
+      MJOLNIR_REQUIRE(values.size() == expected, source, ": layers[", layer, "].", name, ": ",
+                      values.size(), " values, expected ", amax.num_kv_heads, " heads x ",
+                      amax.head_dim, " channels = ", expected);
+      for (std::size_t i = 0; i < values.size(); ++i) {
+        MJOLNIR_REQUIRE(std::isfinite(values[i]) && values[i] >= 0, source, ": layers[", layer,
+                        "].", name, "[", i, "]: ", values[i],
+                        " is not a finite non-negative maximum");
+      }
+    }
+  }
+}
+
 }  // namespace
 
 // Zero (or tiny) amax: the scale is kept at least FLT_MIN, the smallest normal float. A zero
@@ -261,27 +307,84 @@ void write_scales_file(const ScalesFile& scales, const std::filesystem::path& pa
          << (layer + 1 < scales.layers.size() ? ",\n" : "\n");
   }
   text << "  ]\n}\n";
-
-  std::ofstream file(path, std::ios::binary | std::ios::trunc);
-  MJOLNIR_REQUIRE(file.is_open(), source, ": cannot be opened for writing");
-  file << text.str();
-  file.close();
-  MJOLNIR_REQUIRE(!file.fail(), source, ": writing failed");
+  write_text(path, text.str());
 }
 
 ScalesFile read_scales_file(const std::filesystem::path& path) {
-  const std::string source = path.string();
-  std::error_code error;
-  const auto status = std::filesystem::status(path, error);
-  MJOLNIR_REQUIRE(std::filesystem::exists(status), source, ": file not found");
-  MJOLNIR_REQUIRE(!std::filesystem::is_directory(status), source,
-                  ": is a directory, not a scales file");
-  std::ifstream file(path, std::ios::binary);
-  MJOLNIR_REQUIRE(file.is_open(), source, ": cannot be opened for reading");
+  return parse_scales_json(read_text(path, "a scales file"), path.string());
+}
+
+void write_amax_file(const AmaxFile& amax, const std::filesystem::path& path) {
+  check_amax_file(amax, path.string());
   std::ostringstream text;
-  text << file.rdbuf();
-  MJOLNIR_REQUIRE(!file.bad(), source, ": reading failed");
-  return parse_scales_json(text.str(), source);
+  text << "{\n"
+       << "  \"mjolnir_amax_version\": " << AmaxFile::kVersion << ",\n"
+       << "  \"num_kv_heads\": " << amax.num_kv_heads << ",\n"
+       << "  \"head_dim\": " << amax.head_dim << ",\n"
+       << "  \"layers\": [\n";
+  for (std::size_t layer = 0; layer < amax.layers.size(); ++layer) {
+    const AmaxFile::Layer& l = amax.layers[layer];
+    text << "    {\"name\": " << Json(l.name).dump()
+         << ", \"k_amax\": " << json_floats(l.k_amax).dump()
+         << ", \"v_amax\": " << json_floats(l.v_amax).dump() << "}"
+         << (layer + 1 < amax.layers.size() ? ",\n" : "\n");
+  }
+  text << "  ]\n}\n";
+  write_text(path, text.str());
+}
+
+AmaxFile read_amax_file(const std::filesystem::path& path) {
+  return parse_amax_json(read_text(path, "an amax file"), path.string());
+}
+
+AmaxFile parse_amax_json(const std::string& text, const std::string& source) {
+  const Json document = parse_document(text, source);
+  MJOLNIR_REQUIRE(document.is_object(), source, ": expected a JSON object at the top level, found ",
+                  FieldReader::describe(document));
+  const FieldReader read(source);
+  const char* version_key = "mjolnir_amax_version";
+  const std::int64_t version = read.integer(read.member(document, "", version_key), version_key);
+  MJOLNIR_REQUIRE(version == AmaxFile::kVersion, source, ": ", version_key, ": ", version,
+                  " is not supported (this build reads ", AmaxFile::kVersion, ")");
+  AmaxFile amax;
+  amax.num_kv_heads = read.int_in_range(read.member(document, "", "num_kv_heads"), "num_kv_heads");
+  amax.head_dim = read.int_in_range(read.member(document, "", "head_dim"), "head_dim");
+  const Json& layers = read.member(document, "", "layers");
+  if (!layers.is_array()) {
+    read.fail("layers", "expected an array of layers, found " + FieldReader::describe(layers));
+  }
+  amax.layers.resize(layers.size());
+  for (std::size_t i = 0; i < layers.size(); ++i) {
+    const std::string path = "layers[" + std::to_string(i) + "]";
+    const Json& layer = layers[i];
+    if (!layer.is_object()) {
+      read.fail(path, "expected an object with name, k_amax and v_amax, found " +
+                          FieldReader::describe(layer));
+    }
+    amax.layers[i].name = read.string(read.member(layer, path, "name"), path + ".name");
+    amax.layers[i].k_amax = read.float_array(read.member(layer, path, "k_amax"), path + ".k_amax");
+    amax.layers[i].v_amax = read.float_array(read.member(layer, path, "v_amax"), path + ".v_amax");
+  }
+  check_amax_file(amax, source);
+  return amax;
+}
+
+ScalesFile scales_from_amax_file(const AmaxFile& amax, Format format, ScaleGranularity granularity,
+                                 double headroom) {
+  check_amax_file(amax, "amax");
+  ScalesFile scales;
+  scales.format = format;
+  scales.granularity = granularity;
+  scales.num_kv_heads = amax.num_kv_heads;
+  scales.head_dim = amax.head_dim;
+  scales.headroom = headroom;
+  for (const AmaxFile::Layer& layer : amax.layers) {
+    scales.layers.push_back({scales_from_amax(layer.k_amax, format, granularity, amax.num_kv_heads,
+                                              amax.head_dim, headroom),
+                             scales_from_amax(layer.v_amax, format, granularity, amax.num_kv_heads,
+                                              amax.head_dim, headroom)});
+  }
+  return scales;
 }
 
 ScalesFile parse_scales_json(const std::string& text, const std::string& source) {
