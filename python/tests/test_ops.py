@@ -214,10 +214,16 @@ def test_plan_step_runs_every_layer(gen):
     second = Problem(gen, "fp4_e2m1", "BHN2D", 1, "tensor", num_seqs=3, max_len=200)
     second.seq_lens, second.block_table = first.seq_lens, first.block_table
     second.slots = first.slots
+    # Fresh K/V for the first problem's token count (the second drew its own lengths).
+    tokens = int(first.seq_lens.sum())
+    second.k = torch.randn(tokens, 2, 64, generator=gen)
+    second.k[:, :, 3] *= 8.0
+    second.v = torch.randn(tokens, 2, 64, generator=gen) * 2.0
+    second.k_scale = make_scales(second.k, "fp4_e2m1", "tensor", gen)
+    second.v_scale = make_scales(second.v, "fp4_e2m1", "tensor", gen)
     second.kv_cache.zero_()
-    torch.ops.mjolnir.write_kv(second.k[: int(first.seq_lens.sum())],
-                               second.v[: int(first.seq_lens.sum())], second.kv_cache,
-                               first.slots, second.k_scale, second.v_scale, "fp4_e2m1", "BHN2D")
+    torch.ops.mjolnir.write_kv(second.k, second.v, second.kv_cache, first.slots, second.k_scale,
+                               second.v_scale, "fp4_e2m1", "BHN2D")
     ref_second = ragged(second, gen, query_lens)
 
     step = torch.ops.mjolnir.plan_step(first.seq_lens, first.block_table, first.query_start, 0,
