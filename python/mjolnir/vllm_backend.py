@@ -222,6 +222,7 @@ class MjolnirCPUAttentionImpl(CPUAttentionBackendImpl):
     # Counters, for tests and logging: steps run by mjolnir / by the PyTorch path.
     mjolnir_steps = 0
     fallback_steps = 0
+    nonfinite_writes = 0  # cache writes whose K/V held NaN or Inf
     last_fallback_reason: Optional[str] = None
 
     def _config(self) -> AttnConfig:
@@ -328,9 +329,27 @@ class MjolnirCPUAttentionImpl(CPUAttentionBackendImpl):
             calibrate.recorder(self._config().kv_calibrate).record(
                 getattr(layer, "layer_name", str(id(layer))), key[:n], value[:n], slot_mapping)
         k_scale, v_scale = self.scales(layer)
-        torch.ops.mjolnir.write_kv(key[:n], value[:n], self.cache_view(kv_cache),
-                                   slot_mapping, k_scale, v_scale,
-                                   self.mjolnir_format_of_layer(), LAYOUT)
+        args = (self.cache_view(kv_cache), slot_mapping, k_scale, v_scale,
+                self.mjolnir_format_of_layer(), LAYOUT)
+        try:
+            torch.ops.mjolnir.write_kv(key[:n], value[:n], *args)
+        except ValueError as e:
+            if " is nan" not in str(e).lower() and " is inf" not in str(e).lower() and \
+                    " is -inf" not in str(e).lower():
+                raise
+            # One request's non-finite K/V must not end the engine and every request in it
+            # (the library's strict check stays the default for direct callers): stored as
+            # vLLM's own write would keep them bounded, Inf saturated to the format's largest
+            # value and NaN as 0, counted, and the layer named once.
+            type(self).nonfinite_writes += 1
+            name = getattr(layer, "layer_name", "?")
+            if ("nonfinite", name) not in self._logged:
+                self._logged.add(("nonfinite", name))
+                logger.warning("mjolnir: non-finite K/V written to layer %s (%s); stored "
+                               "saturated (Inf) or as 0 (NaN)", name, e)
+            big = torch.finfo(torch.float32).max
+            torch.ops.mjolnir.write_kv(key[:n].float().nan_to_num(0.0, big, -big),
+                                       value[:n].float().nan_to_num(0.0, big, -big), *args)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):

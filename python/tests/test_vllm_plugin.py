@@ -197,3 +197,25 @@ def test_layers_mjolnir_does_not_take(vllm_ops):
     assert "block size" in impl.owner_reason(torch.zeros(4, 2, 48, 128, dtype=torch.bfloat16))
     impl.sliding_window = 128
     assert impl.owner_reason(cache) == "sliding window"
+
+
+def test_non_finite_kv_does_not_end_the_engine(vllm_ops, gen):
+    """A request whose K/V holds NaN or Inf: the write goes through (Inf saturated, NaN as 0),
+    is counted, and the other tokens of the batch are stored as they are."""
+    impl = make_impl(4, 2, 64, AttnConfig())
+    cache = torch.zeros(4, 2, 32, 128, dtype=torch.bfloat16)
+    layer = types.SimpleNamespace(isa="vec", _k_scale_float=1.0, _v_scale_float=1.0,
+                                  layer_name="model.layers.0.self_attn.attn")
+    key = torch.randn(3, 2, 64, generator=gen).to(torch.bfloat16)
+    value = torch.randn(3, 2, 64, generator=gen).to(torch.bfloat16)
+    key[1, 0, 5] = float("nan")
+    value[2, 1, 7] = float("inf")
+    before = type(impl).nonfinite_writes
+    impl.do_kv_cache_update(layer, key, value, cache, torch.tensor([0, 1, 2]))
+    assert type(impl).nonfinite_writes == before + 1
+    view = impl.cache_view(cache)  # [blocks, Hk, N, 2, D]
+    stored_k, stored_v = view[0, :, :3, 0].transpose(0, 1), view[0, :, :3, 1].transpose(0, 1)
+    assert torch.isfinite(stored_k.float()).all() and torch.isfinite(stored_v.float()).all()
+    assert stored_k[1, 0, 5] == 0
+    assert stored_v[2, 1, 7] == torch.finfo(torch.bfloat16).max
+    assert torch.equal(stored_k[0], key[0]) and torch.equal(stored_v[1], value[1])
