@@ -7,8 +7,8 @@ AVX512_BF16) through vLLM's CPU engine.
 For each configuration and (context, batch): prefill time (first token of the batch), time in
 attention during prefill steps, decode tokens/s (generated tokens after the first over the time
 they took), the process's peak RSS, and the KV capacity in tokens vLLM reports. One engine per
-process. Raw JSON to bench/results/vllm-<date>-<machine>.json; --render writes the table into
-docs/vllm.md.
+process. Raw JSON to bench/results/vllm-<date>-<machine>.json; --doc docs/vllm.md re-renders the
+doc's tables from their files (--check: only compare, as the test suite does).
 
   build-python/venv/bin/python scripts/vllm_bench.py                 # the default set
   build-python/venv/bin/python scripts/vllm_bench.py --configs stock,bf16,fp4_e2m1 \\
@@ -38,14 +38,38 @@ ROOT = os.path.dirname(HERE)
 
 
 def machine_name() -> str:
-    sys.path.insert(0, HERE)
+    """The CPU as `mjolnir info` names it ("AMD EPYC (Zen 3)")."""
+    model = platform.machine()
+    cli = os.path.join(ROOT, "build", "tools", "mjolnir")
     try:
-        with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f
-                          if line.startswith("model name")), platform.machine())
-    except OSError:
-        model = platform.machine()
-    return re.sub(r"[^a-z0-9]+", "-", model.lower()).strip("-")
+        info = subprocess.run([cli, "info"], capture_output=True, text=True).stdout
+        model = next(line.split(":", 1)[1].split(",")[0].strip()
+                     for line in info.splitlines() if line.startswith("CPU:"))
+    except (OSError, StopIteration):
+        try:
+            with open("/proc/cpuinfo") as f:
+                model = next((line.split(":", 1)[1].strip() for line in f
+                              if line.startswith("model name")), model)
+        except OSError:
+            pass
+    return model
+
+
+def file_slug(machine: str) -> str:
+    """A machine's name in file-name form: "AMD EPYC (Zen 3)" -> "amd-epyc-zen-3"."""
+    return re.sub(r"[^a-z0-9]+", "-", machine.lower()).strip("-")
+
+
+BLOCK = re.compile(r"(<!-- vllm-bench:begin (\S+) -->\n)(.*?)(<!-- vllm-bench:end -->)", re.S)
+
+
+def splice(doc: str) -> str:
+    """Every block <!-- vllm-bench:begin FILE --> ... <!-- vllm-bench:end --> re-rendered from
+    its raw results file."""
+    def block(m):
+        with open(os.path.join(ROOT, m.group(2))) as f:
+            return m.group(1) + render(json.load(f)) + m.group(4)
+    return BLOCK.sub(block, doc)
 
 
 def write_model(path: str, layers: int, max_len: int) -> None:
@@ -208,19 +232,32 @@ def render(data: dict) -> str:
     lines = [f"vLLM CPU engine on {data['machine']} ({data['threads']} threads), "
              f"{data['date']}: random Llama, {data['model']['layers']} layers, Hq 32, Hk 8, "
              f"D 128, block 32, {data['decode_tokens']} generated tokens per request, "
-             f"VLLM_CPU_KVCACHE_SPACE={data['kv_cache_space_gib']} GiB.", "",
-             "| config | context x batch | prefill s | prefill attention s | decode tok/s | "
-             "peak RSS GiB | KV capacity tokens |", "|---|---|---|---|---|---|---|"]
+             f"VLLM_CPU_KVCACHE_SPACE={data['kv_cache_space_gib']} GiB. Ratios are against "
+             "stock vLLM on the same case in the same run.", "",
+             "| config | context x batch | prefill s | prefill attention s (vs stock) | "
+             "decode tok/s (vs stock) | peak RSS GiB | KV capacity tokens (vs stock) |",
+             "|---|---|---|---|---|---|---|"]
+    stock = data["configs"].get("stock", {})
+    stock_cases = {(c["context"], c["batch"]): c for c in stock.get("cases", [])}
+
+    def ratio(value, base):
+        return f" ({value / base:.2f}x)" if value and base else ""
+
     for name, result in data["configs"].items():
         if "error" in result:
             lines.append(f"| {name} | error: {' '.join(result['error'])} | | | | | |")
             continue
+        capacity = result["kv_capacity_tokens"]
         for case in result["cases"]:
+            base = {} if name == "stock" else stock_cases.get((case["context"], case["batch"]), {})
             tps = case["decode_tokens_per_s"]
+            attn = case["prefill_attention_s"]
+            tps_text = f"{tps:.1f}{ratio(tps, base.get('decode_tokens_per_s'))}" if tps else "-"
             lines.append(
                 f"| {name} | {case['context']} x {case['batch']} | {case['prefill_s']:.2f} | "
-                f"{case['prefill_attention_s']:.2f} | {f'{tps:.1f}' if tps else '-'} | "
-                f"{case['peak_rss_gib']:.2f} | {result['kv_capacity_tokens']} |")
+                f"{attn:.2f}{ratio(attn, base.get('prefill_attention_s'))} | {tps_text} | "
+                f"{case['peak_rss_gib']:.2f} | "
+                f"{capacity}{ratio(capacity, base and stock.get('kv_capacity_tokens'))} |")
     return "\n".join(lines) + "\n"
 
 
@@ -235,7 +272,23 @@ def main() -> None:
     parser.add_argument("--kv-space", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE, GiB")
     parser.add_argument("--json", help="output file (default bench/results/vllm-DATE-MACHINE.json)")
     parser.add_argument("--render", help="print the table of a results file")
+    parser.add_argument("--doc", help="re-render the tables of this doc from their files")
+    parser.add_argument("--check", action="store_true",
+                        help="with --doc: fail if a table differs from its file's")
     args = parser.parse_args()
+    if args.doc:
+        with open(args.doc) as f:
+            doc = f.read()
+        new = splice(doc)
+        if args.check:
+            if new != doc:
+                print(f"{args.doc}: a vLLM table differs from its results file; run "
+                      f"scripts/vllm_bench.py --doc {args.doc}", file=sys.stderr)
+                sys.exit(1)
+            return
+        with open(args.doc, "w") as f:
+            f.write(new)
+        return
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
         return
@@ -245,7 +298,7 @@ def main() -> None:
         return
     data = run(args)
     path = args.json or os.path.join(
-        ROOT, "bench", "results", f"vllm-{data['date']}-{data['machine']}.json")
+        ROOT, "bench", "results", f"vllm-{data['date']}-{file_slug(data['machine'])}.json")
     with open(path, "w") as f:
         json.dump(data, f, indent=1)
     print(render(data), end="")
