@@ -6,7 +6,6 @@
 #include <charconv>
 #include <cmath>
 #include <cstdio>
-#include <ctime>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -21,6 +20,7 @@
 #include "cpu/read_bandwidth.h"
 #include "host_backend.h"
 #include "machine_info.h"
+#include "mjolnir/calibrate.h"
 #include "mjolnir/decode.h"
 #include "mjolnir/error.h"
 #include "mjolnir/plan.h"
@@ -140,16 +140,6 @@ std::string sweep_results_path(const std::string& dir, const std::string& backen
          ".json";
 }
 
-// Today's UTC date, YYYY-MM-DD.
-std::string utc_date() {
-  const std::time_t now = std::time(nullptr);
-  std::tm tm{};
-  gmtime_r(&now, &tm);
-  char text[16];
-  std::strftime(text, sizeof text, "%Y-%m-%d", &tm);
-  return text;
-}
-
 std::size_t copies_memory_limit() {
   const std::size_t available = available_memory_bytes();
   if (available == 0) return 4 * kGiB;  // /proc/meminfo unreadable: stay modest
@@ -180,7 +170,10 @@ verify::ProblemSpec base_spec(const BenchOptions& options, const Series& series)
   const Heads& heads = series.heads;
   verify::ProblemSpec spec;
   spec.layout = parse_layout(options.layout, "--layout");
-  spec.granularity = parse_granularity(options.granularity, "--granularity");
+  // Empty: each format's recommended granularity, set per row (with_format).
+  if (!options.granularity.empty()) {
+    spec.granularity = parse_granularity(options.granularity, "--granularity");
+  }
   spec.page_size = options.page_size;
   spec.head_dim = series.head_dim;
   spec.num_kv_heads = heads.num_kv_heads;
@@ -196,12 +189,32 @@ verify::ProblemSpec base_spec(const BenchOptions& options, const Series& series)
   return spec;
 }
 
+// The base spec for one format: the --granularity given, or the format's recommended one.
+verify::ProblemSpec with_format(verify::ProblemSpec spec, const BenchOptions& options,
+                                Format format) {
+  spec.format = format;
+  if (options.granularity.empty()) spec.granularity = recommended_granularity(format);
+  return spec;
+}
+
+// "channel scales", or "channel scales (recommended)" when the flag is not given and the
+// formats share their recommended granularity, else "each format's recommended scales".
+std::string scales_description(const BenchOptions& options, const std::vector<Format>& formats) {
+  if (!options.granularity.empty()) return options.granularity + " scales";
+  if (formats.empty()) return "recommended scales";
+  const ScaleGranularity first = recommended_granularity(formats.front());
+  for (const Format format : formats) {
+    if (recommended_granularity(format) != first) return "each format's recommended scales";
+  }
+  return std::string(to_string(first)) + " scales (recommended)";
+}
+
 // Builds a one-sequence problem of every format, so a bad flag (a page size, a head size) fails
 // now with the library's own message, not after the bandwidth measurement.
-void check_configurations(const verify::ProblemSpec& base, const std::vector<Format>& formats) {
+void check_configurations(const verify::ProblemSpec& base, const BenchOptions& options,
+                          const std::vector<Format>& formats) {
   for (const Format format : formats) {
-    verify::ProblemSpec spec = base;
-    spec.format = format;
+    verify::ProblemSpec spec = with_format(base, options, format);
     spec.seq_lens = {spec.params.q_len};
     spec.keep_original_kv = false;
     verify::Problem problem(spec);
@@ -387,8 +400,9 @@ CLI::App* add_bench_command(CLI::App& app, BenchOptions& options) {
   cmd->add_option("--page-size", options.page_size, "Tokens per page")->capture_default_str();
   cmd->add_option("--layout", options.layout, "Cache layout: BHN2D BNH2D B2NHD B2HND 2BNHD 2BHND")
       ->capture_default_str();
-  cmd->add_option("--granularity", options.granularity, "Scale granularity: tensor, head, channel")
-      ->capture_default_str();
+  cmd->add_option("--granularity", options.granularity,
+                  "Scale granularity: tensor, head, channel (default: each format's recommended "
+                  "one, docs/accuracy.md)");
   cmd->add_option("--q-mode", options.q_mode, "Q numerics: fp32, bf16, fp8")->capture_default_str();
   cmd->add_option("--p-mode", options.p_mode, "P numerics: fp32, bf16, fp8")->capture_default_str();
   cmd->add_option("--threads", options.threads, "CPU threads (0: every hardware thread)")
@@ -435,7 +449,7 @@ int run_bench(const BenchOptions& options) {
                   " cannot run here: ", unavailable);
 
   for (const Series& series : runs) {
-    check_configurations(base_spec(options, series), series.formats);
+    check_configurations(base_spec(options, series), options, series.formats);
     for (const int context : series.contexts) {
       // The context counts the q_len new tokens, which are in the cache when attention runs.
       MJOLNIR_REQUIRE(context >= series.q_len, "--context: ", context,
@@ -470,20 +484,19 @@ int run_bench(const BenchOptions& options) {
   nlohmann::ordered_json results = nlohmann::ordered_json::array();
   for (const Series& series : runs) {
     const verify::ProblemSpec base = base_spec(options, series);
-    std::printf("%sworkload: backend %s, Hq %d, Hk %d, D %d, page %d, %s, %s scales, q %s, p %s\n",
+    std::printf("%sworkload: backend %s, Hq %d, Hk %d, D %d, page %d, %s, %s, q %s, p %s\n",
                 series.name.empty() ? "" : ("\n[" + series.name + "] ").c_str(),
                 std::string(backend->name()).c_str(), series.heads.num_q_heads,
                 series.heads.num_kv_heads, series.head_dim, options.page_size,
                 std::string(to_string(base.layout)).c_str(),
-                std::string(to_string(base.granularity)).c_str(),
+                scales_description(options, series.formats).c_str(),
                 std::string(to_string(base.params.q_mode)).c_str(),
                 std::string(to_string(base.params.p_mode)).c_str());
     print_table_header();
     for (const int batch : series.batches) {
       for (const Format format : series.formats) {
         for (const int context : series.contexts) {
-          verify::ProblemSpec spec = base;
-          spec.format = format;
+          verify::ProblemSpec spec = with_format(base, options, format);
           spec.seq_lens.assign(batch, context);
           PlanOptions row_plan = plan_options;
           row_plan.max_splits = options.max_splits;

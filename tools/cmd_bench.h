@@ -24,7 +24,7 @@ struct BenchOptions {
   int head_dim = 128;
   int page_size = 16;
   std::string layout = "B2NHD";
-  std::string granularity = "head";
+  std::string granularity;  // empty: each format's recommended_granularity() (calibrate.h)
   std::string q_mode = "fp32";
   std::string p_mode = "fp32";
   int threads = 0;     // 0: every hardware thread

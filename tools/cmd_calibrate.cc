@@ -19,7 +19,8 @@ CLI::App* add_calibrate_command(CLI::App& app, CalibrateOptions& options) {
       ->required();
   cmd->add_option("--format", options.format, "The KV cache format the scales are for")->required();
   cmd->add_option("--granularity", options.granularity,
-                  "tensor, head or channel (default channel: K has outlier channels)");
+                  "tensor, head or channel (default: the format's recommended one, "
+                  "docs/accuracy.md: channel, head for nvfp4)");
   cmd->add_option("--headroom", options.headroom,
                   "Factor on amax, > 0: above 1 keeps values larger than calibration saw from "
                   "saturating (default 1.0)");
@@ -29,7 +30,9 @@ CLI::App* add_calibrate_command(CLI::App& app, CalibrateOptions& options) {
 
 int run_calibrate(const CalibrateOptions& options) {
   const Format format = parse_format(options.format, "--format");
-  const ScaleGranularity granularity = parse_granularity(options.granularity, "--granularity");
+  const ScaleGranularity granularity =
+      options.granularity.empty() ? recommended_granularity(format)
+                                  : parse_granularity(options.granularity, "--granularity");
   const AmaxFile amax = read_amax_file(options.amax_path);
   const ScalesFile scales = scales_from_amax_file(amax, format, granularity, options.headroom);
   write_scales_file(scales, options.out_path);

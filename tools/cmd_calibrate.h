@@ -13,7 +13,7 @@ struct CalibrateOptions {
   std::string amax_path;
   std::string out_path;
   std::string format;
-  std::string granularity = "channel";
+  std::string granularity;  // empty: recommended_granularity(format)
   double headroom = 1.0;
 };
 

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <ctime>
 #include <exception>
 #include <fstream>
 #include <sstream>
@@ -83,6 +84,15 @@ std::size_t available_memory_bytes() {
     if (key == "MemAvailable:") return value * 1024;  // reported in kB
   }
   return 0;
+}
+
+std::string utc_date() {
+  const std::time_t now = std::time(nullptr);
+  std::tm tm{};
+  gmtime_r(&now, &tm);
+  char text[16];
+  std::strftime(text, sizeof text, "%Y-%m-%d", &tm);
+  return text;
 }
 
 std::string format_bytes(double bytes) {

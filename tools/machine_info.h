@@ -19,6 +19,8 @@ std::string amd_zen_generation(int family, int model);
 int hardware_threads();
 // MemAvailable from /proc/meminfo in bytes; 0 when it cannot be read.
 std::size_t available_memory_bytes();
+// Today's UTC date, YYYY-MM-DD: results files are named and stamped with it.
+std::string utc_date();
 // "1.5 GiB", "128.0 MiB", "512 B": sizes for people.
 std::string format_bytes(double bytes);
 

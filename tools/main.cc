@@ -1,9 +1,11 @@
-// The mjolnir command line: verify | bench | calibrate | info. Each command lives in its own
-// cmd_*.cc; this file wires them into CLI11 and turns every error into one line and exit status 2.
+// The mjolnir command line: verify | bench | accuracy | calibrate | info. Each command lives in its
+// own cmd_*.cc; this file wires them into CLI11 and turns every error into one line and exit
+// status 2.
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <exception>
 
+#include "cmd_accuracy.h"
 #include "cmd_bench.h"
 #include "cmd_calibrate.h"
 #include "cmd_info.h"
@@ -29,9 +31,11 @@ int main(int argc, char** argv) {
   VerifyOptions verify_options;
   BenchOptions bench_options;
   CalibrateOptions calibrate_options;
+  AccuracyOptions accuracy_options;
   CLI::App* verify = add_verify_command(app, verify_options);
   CLI::App* bench = add_bench_command(app, bench_options);
   CLI::App* calibrate = add_calibrate_command(app, calibrate_options);
+  CLI::App* accuracy = add_accuracy_command(app, accuracy_options);
   CLI::App* info = add_info_command(app);
 
   try {
@@ -46,6 +50,7 @@ int main(int argc, char** argv) {
     if (verify->parsed()) return run_verify(verify_options);
     if (bench->parsed()) return run_bench(bench_options);
     if (calibrate->parsed()) return run_calibrate(calibrate_options);
+    if (accuracy->parsed()) return run_accuracy(accuracy_options);
     if (info->parsed()) return run_info();
   } catch (const mjolnir::Error& e) {
     return fail(e.what());

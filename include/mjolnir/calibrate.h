@@ -32,6 +32,14 @@ std::vector<float> scales_from_amax(std::span<const float> amax, Format format,
                                     ScaleGranularity granularity, int num_kv_heads, int head_dim,
                                     double headroom = 1.0);
 
+// The scale granularity to use for a format unless there is a reason not to, as measured by
+// `mjolnir accuracy` (docs/accuracy.md): per (KV head, channel) for the quantized formats (K has
+// outlier channels, which a head-wide scale crushes the other channels under: fp4_e2m1's error
+// halves with per-channel scales), per KV head for nvfp4 (its per-16-channel block scales
+// already follow the outliers), per tensor for bf16 and fp16 (their scale is 1). `mjolnir
+// calibrate`, `python -m mjolnir.calibrate` and `mjolnir bench` default to it.
+ScaleGranularity recommended_granularity(Format format);
+
 // Recorded per-(KV head, channel) maxima of |K| and |V| of every layer, before any scale: what
 // a calibration run writes (the vLLM plugin with MJOLNIR_ATTN_KV_CALIBRATE) and `mjolnir
 // calibrate` turns into a ScalesFile.

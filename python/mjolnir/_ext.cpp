@@ -89,13 +89,16 @@ nb::dict scales_dict(const ScalesFile& scales) {
   return out;
 }
 
-// amax file -> scales file; returns the scales written.
+// amax file -> scales file (granularity "": the format's recommended one); returns the scales
+// written.
 nb::dict calibrate_file(const std::string& amax_path, const std::string& format,
                         const std::string& granularity, double headroom,
                         const std::string& out_path) {
   const ScalesFile scales =
       scales_from_amax_file(read_amax_file(amax_path), parse_format(format, "format"),
-                            parse_granularity(granularity, "granularity"), headroom);
+                            granularity.empty() ? recommended_granularity(parse_format(format))
+                                                : parse_granularity(granularity, "granularity"),
+                            headroom);
   write_scales_file(scales, out_path);
   return scales_dict(scales);
 }

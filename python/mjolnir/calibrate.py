@@ -170,7 +170,9 @@ def main(argv=None) -> int:
                     "MJOLNIR_ATTN_KV_SCALES; with --model, record it first.")
     parser.add_argument("amax", help="the amax file (read; with --model, written first)")
     parser.add_argument("--format", required=True, help="the KV cache format to serve with")
-    parser.add_argument("--granularity", default="channel", help="tensor, head or channel")
+    parser.add_argument("--granularity", default="",
+                        help="tensor, head or channel (default: the format's recommended one, "
+                             "channel, head for nvfp4: docs/accuracy.md)")
     parser.add_argument("--headroom", type=float, default=1.0,
                         help="factor on amax (above 1: less saturation of unseen values)")
     parser.add_argument("--out", required=True, help="the scales file to write")

@@ -249,6 +249,13 @@ void check_amax_file(const AmaxFile& amax, const std::string& source) {
 // scale would divide by zero on write, and a subnormal one turns into zero on GPUs that flush
 // subnormals; FLT_MIN keeps an all-zero channel exactly representable (zero stays zero) while
 // saturating anything large written to it later.
+ScaleGranularity recommended_granularity(Format format) {
+  if (!is_quantized(format)) return ScaleGranularity::tensor;
+  // nvfp4's block scales (one per 16 channels of a token) already follow the outlier channels:
+  // a per-channel outer scale on top measured worse than a per-head one (docs/accuracy.md).
+  return format == Format::nvfp4 ? ScaleGranularity::head : ScaleGranularity::channel;
+}
+
 std::vector<float> scales_from_amax(std::span<const float> amax, Format format,
                                     ScaleGranularity granularity, int num_kv_heads, int head_dim,
                                     double headroom) {

@@ -1,8 +1,6 @@
 // Problem: builds a filled paged cache, queries and outputs from a ProblemSpec.
 #include "verify/problem.h"
 
-#include "core/minifloat.h"
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -82,7 +80,8 @@ Problem::Problem(const ProblemSpec& spec) : spec_(spec) {
       for (int h = 0; h < hk; ++h) {
         for (int which = 0; which < 2; ++which) {
           for (int c = 0; c < d; ++c, ++x) {
-            const float outlier = which == 0 && is_outlier_channel(h, c) ? 8.0f : 1.0f;
+            const float outlier =
+                which == 0 && spec.k_outlier_channels && is_outlier_channel(h, c) ? 8.0f : 1.0f;
             *x = normal(rng) * outlier;
             float& amax = (which == 0 ? k_amax : v_amax)[std::size_t(h) * d + c];
             amax = std::max(amax, std::abs(*x));
@@ -94,8 +93,8 @@ Problem::Problem(const ProblemSpec& spec) : spec_(spec) {
 
   // Scales calibrated on the data, as a serving engine's calibration would.
   if (is_quantized(spec.format)) {
-    k_scale_ = scales_from_amax(k_amax, spec.format, spec.granularity, hk, d);
-    v_scale_ = scales_from_amax(v_amax, spec.format, spec.granularity, hk, d);
+    k_scale_ = scales_from_amax(k_amax, spec.format, spec.granularity, hk, d, spec.scale_headroom);
+    v_scale_ = scales_from_amax(v_amax, spec.format, spec.granularity, hk, d, spec.scale_headroom);
   } else {
     k_scale_.assign(scale_count(spec.granularity, hk, d), 1.0f);
     v_scale_.assign(scale_count(spec.granularity, hk, d), 1.0f);

@@ -34,7 +34,12 @@ struct ProblemSpec {
   int distinct_positions = 0;
   // Queries rounded to bf16 values, as a bf16 model's are (whatever the Q mode).
   bool bf16_queries = false;
-  // Distribution: K has a few outlier channels (x8) as real models do; V is plain N(0, 1).
+  // Distribution: K has a few outlier channels (x8) as real models do, unless this is false (then
+  // K is plain N(0, 1) too); V is plain N(0, 1).
+  bool k_outlier_channels = true;
+  // Factor on the amax the scales are calibrated from (scales_from_amax's headroom): below 1
+  // clips the largest values to give the rest finer steps.
+  double scale_headroom = 1.0;
   std::uint64_t seed = 1;
 };
 
