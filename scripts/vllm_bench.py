@@ -56,7 +56,9 @@ def machine_name() -> str:
 
 
 def file_slug(machine: str) -> str:
-    """A machine's name in file-name form: "AMD EPYC (Zen 3)" -> "amd-epyc-zen-3"."""
+    """A machine's name in file-name form, as `mjolnir bench` names its files: "AMD EPYC (Zen 3)"
+    -> "amd-epyc-zen-3", "Intel(R) Xeon(R) Processor" -> "intel-xeon-processor"."""
+    machine = re.sub(r"\((R|r|TM|tm)\)", "", machine)
     return re.sub(r"[^a-z0-9]+", "-", machine.lower()).strip("-")
 
 
