@@ -598,6 +598,69 @@ TEST(CpuAmx, MatchesEmulator) {
       });
 }
 
+// P . V on AMX tiles (P mode bf16, from 8 query rows) against the emulator within the tolerance
+// of P rounded from the kernel's own scores (docs/numerics.md), and against the exact reference
+// within P bf16's bound: the Q . K cases above with P in bf16, and ragged steps (prefill,
+// chunked prefill and decodes in one batch, query tiles of 32 tokens). Each case with 8 rows or
+// more must have run on the tiles, and the rest not.
+TEST(CpuAmx, ValuesMatchEmulator) {
+  if (!cpu::cpu_has_amx() || !cpu::cpu_has_bf16_dot()) {
+    GTEST_SKIP() << "this CPU (or the dispatched target, " << cpu::kernel_target()
+                 << ") has no AMX-BF16 tiles, or Linux did not grant them";
+  }
+  ASSERT_TRUE(cpu::amx_enabled()) << "MJOLNIR_CPU_AMX=0 turned the tiles off";
+  const auto backend = make_backend("cpu", BackendOptions{.threads = 2});
+  std::vector<double> tile_errors;
+  const auto check = [&](const verify::Case& c, bool tiles) {
+    const std::uint64_t before = cpu::amx_value_items();
+    const verify::CaseResult r = verify::run_case(c, *backend);
+    EXPECT_NE(r.status, verify::CaseResult::Status::failed) << c.name() << ": " << r.message;
+    if (tiles) {
+      EXPECT_GT(cpu::amx_value_items(), before) << c.name() << " did not run on the tiles";
+      tile_errors.push_back(r.error_vs_emulator);
+    } else {
+      EXPECT_EQ(cpu::amx_value_items(), before) << c.name() << " ran on the tiles";
+    }
+  };
+  ForEachQkCase(mjolnir::testing::test_seed() + 31,
+                {{1, 1}, {4, 1}, {4, 2}, {8, 1}, {4, 4}, {8, 3}, {16, 2}},
+                [&](const verify::Case& qk, int, int g, int q_len) {
+                  verify::Case c = qk;
+                  c.spec.params.p_mode = PMode::bf16;
+                  check(c, g * q_len >= 8);  // kAmxMinRows
+                });
+  // Ragged steps: every sequence's query tokens in tiles of up to 8 (32 rows at g 4).
+  std::mt19937_64 rng(mjolnir::testing::test_seed() + 37);
+  for (Format format : {Format::bf16, Format::fp8_e4m3, Format::fp6_e3m2, Format::fp4_e2m1,
+                        Format::nvfp4, Format::fp16}) {
+    verify::Case c;
+    verify::ProblemSpec& s = c.spec;
+    s.format = format;
+    s.layout = kAllLayouts[rng() % 6];
+    s.page_size = 16;
+    s.head_dim = 128;
+    s.group = 4;
+    s.num_kv_heads = 2;
+    s.params.q_len = 0;
+    s.params.p_mode = PMode::bf16;
+    s.params.q_mode = rng() % 2 ? QMode::bf16 : QMode::fp32;
+    s.bf16_queries = true;
+    s.seed = rng();
+    s.seq_lens = {200, 77, 9, 130};
+    s.query_lens = {200, 13, 1, 31};  // a prompt, a chunk, a decode, a chunk
+    c.tile_tokens = 64;
+    // fp16 values are not bf16 values: its P . V stays on the FMAs.
+    check(c, format != Format::fp16);
+  }
+  // A P code that rounds the other way is rare: the typical case matches the emulator to fp32
+  // rounding. A bias in the rounding (truncating instead of rounding to nearest) would move every
+  // case by about 2^-9, within each case's tolerance but not in the median.
+  ASSERT_FALSE(tile_errors.empty());
+  std::nth_element(tile_errors.begin(), tile_errors.begin() + tile_errors.size() / 2,
+                   tile_errors.end());
+  EXPECT_LT(tile_errors[tile_errors.size() / 2], 1e-4) << "median error against the emulator";
+}
+
 // Every item's token range is covered exactly once by the units, and token parts merge back.
 TEST(CpuWorkUnits, CoverEveryItemOnce) {
   std::mt19937_64 rng(mjolnir::testing::test_seed() + 17);

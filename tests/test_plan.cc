@@ -159,7 +159,7 @@ TEST(Plan, MaxSplitsToFillOneWave) {
 }
 
 // A ragged step (prefill, chunked prefill and decodes in one batch): every query token of
-// every sequence is in exactly one query tile of at most kMaxQLen tokens, in order, and each
+// every sequence is in exactly one query tile of at most kQueryTileTokens tokens, in order, and each
 // tile's items cover, once per KV head, exactly the KV tokens its last query token may see.
 TEST(Plan, RaggedStepsCoverEveryQueryTokenAndWhatItSees) {
   std::mt19937_64 rng(testing::test_seed() + 11);
@@ -185,7 +185,7 @@ TEST(Plan, RaggedStepsCoverEveryQueryTokenAndWhatItSees) {
     Plan plan(exact);
     make_plan(plan, step, options);
     EXPECT_TRUE(plan.ragged);
-    EXPECT_EQ(plan.q_len, kMaxQLen);
+    EXPECT_EQ(plan.q_len, kQueryTileTokens);
     EXPECT_EQ(plan.num_query_tiles, exact.max_query_tiles);
     EXPECT_EQ(plan.num_partials, exact.max_partials) << "capacity_for is not the plan's own";
 
@@ -196,7 +196,7 @@ TEST(Plan, RaggedStepsCoverEveryQueryTokenAndWhatItSees) {
       ASSERT_LT(qt.seq, num_seqs);
       EXPECT_EQ(qt.q_begin, seen_queries[qt.seq]) << "tile " << i << " out of order";
       EXPECT_GE(qt.q_count, 1);
-      EXPECT_LE(qt.q_count, kMaxQLen);
+      EXPECT_LE(qt.q_count, kQueryTileTokens);
       seen_queries[qt.seq] += qt.q_count;
       const int queries = query_start[qt.seq + 1] - query_start[qt.seq];
       // What the tile's last query token sees: the cache up to and including itself.
@@ -231,21 +231,24 @@ TEST(Plan, RaggedStepsCoverEveryQueryTokenAndWhatItSees) {
   }
 }
 
-// A 6000-token prompt on two threads: 750 tiles of 8 query tokens, none split, and a capacity
-// that reserves no partial slots (a default one would hold 750 x 16 of them: gigabytes).
+// A 6000-token prompt on two threads: 188 tiles of 32 query tokens (the last of 16), none split,
+// and a capacity that reserves no partial slots (a default one would hold 188 x 16 of them).
 TEST(Plan, APromptIsCutIntoQueryTilesWithoutSplits) {
   const std::vector<std::int32_t> lens{6000}, query_start{0, 6000};
   const StepShape step{lens, query_start, 0, 8, true};
   const PlanOptions options{.workers = 2};
   const PlanCapacity capacity = capacity_for(step, options);
-  EXPECT_EQ(capacity.max_query_tiles, 750);
+  static_assert(kQueryTileTokens == 32, "the numbers below are for tiles of 32 tokens");
+  EXPECT_EQ(capacity.max_query_tiles, 188);
   EXPECT_EQ(capacity.max_splits, 1);
   EXPECT_EQ(capacity.partial_slots(), 0);
   Plan plan(capacity);
   make_plan(plan, step, options);
-  EXPECT_EQ(plan.num_items, 750 * 8);
-  EXPECT_EQ(plan.query_tiles[0].kv_len, 8);
-  EXPECT_EQ(plan.query_tiles[749].kv_len, 6000);
+  EXPECT_EQ(plan.num_items, 188 * 8);
+  EXPECT_EQ(plan.query_tiles[0].kv_len, 32);
+  EXPECT_EQ(plan.query_tiles[186].kv_len, 5984);
+  EXPECT_EQ(plan.query_tiles[187].q_count, 16);
+  EXPECT_EQ(plan.query_tiles[187].kv_len, 6000);
 }
 
 TEST(Plan, RejectsABadQueryStart) {

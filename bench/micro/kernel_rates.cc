@@ -81,6 +81,40 @@ void Decode(benchmark::State& state, Format format, int group, int q_len, QMode 
       double(problem.kv_bytes_read()) * state.iterations() / 1e9, benchmark::Counter::kIsRate);
 }
 
+// A prompt's prefill on one core: one sequence of kPrefillTokens tokens, all of them query tokens
+// (a ragged step: query tiles of 8 tokens, causal), Q in bf16, resident. ns_per_row_key: per query
+// row (token x query head) and KV token it sees, the unit flash attention kernels are compared in.
+constexpr int kPrefillTokens = 1024;
+
+void Prefill(benchmark::State& state, Format format, PMode p_mode) {
+  verify::ProblemSpec spec;
+  spec.format = format;
+  spec.num_kv_heads = kKvHeads;
+  spec.group = 4;
+  spec.head_dim = kHeadDim;
+  spec.params.q_len = 0;
+  spec.params.q_mode = QMode::bf16;
+  spec.params.p_mode = p_mode;
+  spec.seq_lens = {kPrefillTokens};
+  spec.query_lens = {kPrefillTokens};
+  spec.keep_original_kv = false;
+  verify::Problem problem(spec);
+  const DecodeArgs args = problem.args();
+  const auto backend = make_backend("cpu", BackendOptions{.threads = 1});
+  PlanOptions options;
+  options.workers = 1;
+  const StepShape step = args.step_shape();
+  Plan plan(capacity_for(step, options));
+  make_plan(plan, step, options);
+  std::vector<std::byte> workspace(
+      backend->workspace_bytes(plan, args.cache.geometry, args.params));
+  for (auto _ : state) backend->run(args, plan, workspace);
+  const double row_keys = double(kPrefillTokens) * (kPrefillTokens + 1) / 2 * kKvHeads *
+                          spec.group * double(state.iterations());
+  state.counters["ns_per_row_key"] =
+      benchmark::Counter(row_keys / 1e9, benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
+}
+
 void FmaPeak(benchmark::State& state) {
   for (auto _ : state) benchmark::DoNotOptimize(fma_peak_flops_one_thread());
   state.counters["gflops"] = fma_peak_flops_one_thread() / 1e9;
@@ -97,6 +131,14 @@ const int registered = [] {
         benchmark::RegisterBenchmark(name.c_str(), Decode, format, group, q_len, q_mode)
             ->Unit(benchmark::kMicrosecond);
       }
+    }
+  }
+  for (const PMode p_mode : {PMode::fp32, PMode::bf16}) {
+    for (const Format format : kAllFormats) {
+      const std::string name =
+          "Prefill/" + std::string(to_string(format)) + "/p" + std::string(to_string(p_mode));
+      benchmark::RegisterBenchmark(name.c_str(), Prefill, format, p_mode)
+          ->Unit(benchmark::kMillisecond);
     }
   }
   benchmark::RegisterBenchmark("FmaPeak/1thread", FmaPeak)->Iterations(1);

@@ -38,8 +38,8 @@ struct DecodeParams {
   PMode p_mode = PMode::fp32;
 
   float effective_softmax_scale(int head_dim) const;
-  // Query tokens of one work item at most: q_len, or kMaxQLen for a ragged step.
-  int item_q_len() const { return q_len > 0 ? q_len : kMaxQLen; }
+  // Query tokens of one work item at most: q_len, or kQueryTileTokens for a ragged step.
+  int item_q_len() const { return q_len > 0 ? q_len : kQueryTileTokens; }
 };
 
 // Query rows [query tokens, Hq, D] in float32, D contiguous: row b * q_len + t holds token t of
@@ -126,6 +126,15 @@ class Backend {
   // Empty when the backend runs this configuration; otherwise what it does not support.
   virtual std::string unsupported_reason(const CacheGeometry& geometry,
                                          const DecodeParams& params) const = 0;
+  // Whether this backend rounds P (P mode bf16 or fp8) from its own fp32 scores rather than the
+  // emulator's (the contract allows it: docs/numerics.md), so that a P code can differ from the
+  // emulator's by one unit. The CPU does in P mode bf16.
+  virtual bool rounds_p_from_own_scores(const CacheGeometry& geometry,
+                                        const DecodeParams& params) const {
+    (void)geometry;
+    (void)params;
+    return false;
+  }
   // Capacity to plan for (PlanOptions::workers).
   virtual int workers() const = 0;
   // Workspace run() needs for a plan of this capacity (split partials and scratch).

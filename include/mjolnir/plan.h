@@ -7,9 +7,12 @@
 
 namespace mjolnir {
 
-// Most query tokens one work item holds: a decode step's q_len, or a query tile of a ragged
-// step (prefill, chunked prefill, mixed query lengths).
+// Most query tokens of a decode step (1 + the speculative tokens being verified).
 inline constexpr int kMaxQLen = 8;
+// Query tokens of a ragged step's query tile (prefill, chunked prefill, mixed query lengths): the
+// most one work item holds there. Each KV tile a work item reads serves all its query rows (32 x g
+// here), so larger tiles decode and load each KV row fewer times over a prompt.
+inline constexpr int kQueryTileTokens = 32;
 
 // One unit of work: the q_count * g query rows of one (sequence, KV head), query tokens
 // [q_begin, q_begin + q_count) of the sequence, against KV tokens [kv_begin, kv_end). Each KV row

@@ -20,6 +20,7 @@ layouts = _ext.layouts
 row_bytes = _ext.row_bytes
 format_max = _ext.format_max
 compiled_backends = _ext.compiled_backends
+QUERY_TILE_TOKENS = _ext.QUERY_TILE_TOKENS
 
 
 def register() -> bool:
@@ -31,7 +32,7 @@ def register() -> bool:
 
 
 __all__ = [
-    "AttnConfig", "DEFAULT_LAYOUT", "attend", "compiled_backends", "decode", "decode_into",
+    "AttnConfig", "DEFAULT_LAYOUT", "QUERY_TILE_TOKENS", "attend", "compiled_backends", "decode", "decode_into",
     "format_max", "formats", "has_cuda", "layouts", "plan", "plan_step", "register",
     "row_bytes", "write_kv",
 ]

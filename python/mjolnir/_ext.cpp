@@ -136,6 +136,8 @@ NB_MODULE(_ext, m) {
   m.doc() = "mjolnir C++ library binding (the operators: torch.ops.mjolnir)";
   m.attr("__version__") = MJOLNIR_VERSION_STRING;
   m.attr("has_cuda") = bool(MJOLNIR_PY_CUDA);
+  // Query tokens of a ragged step's query tile (plan.h): Step.num_query_tiles() counts them.
+  m.attr("QUERY_TILE_TOKENS") = kQueryTileTokens;
 
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {

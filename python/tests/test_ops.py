@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-import mjolnir  # noqa: F401  (registers torch.ops.mjolnir)
+import mjolnir  # registers torch.ops.mjolnir
 from _reference import (FORMAT_MAX, FORMATS, LAYOUTS, attention, canonical_pages,
                         dequantize_rows, dequantized_cache, make_cache, minifloat_table)
 
@@ -229,7 +229,8 @@ def test_plan_step_runs_every_layer(gen):
     step = torch.ops.mjolnir.plan_step(first.seq_lens, first.block_table, first.query_start, 0,
                                        first.q.shape[1], 2)
     assert step.query_rows() == sum(query_lens)
-    assert step.num_query_tiles() == sum((n + 7) // 8 for n in query_lens)
+    tile = mjolnir.QUERY_TILE_TOKENS
+    assert step.num_query_tiles() == sum((n + tile - 1) // tile for n in query_lens)
     rows = sum(query_lens)
     for p, ref in ((first, ref_first), (second, ref_second), (first, ref_first)):
         padded = torch.full((rows + 5, p.q.shape[1], p.d), float("nan"), dtype=torch.bfloat16)

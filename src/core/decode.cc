@@ -101,7 +101,7 @@ void check_plan(const Plan& plan, const DecodeArgs& args) {
                   plan.ragged ? "ragged" : "decode", " step, but this step is ",
                   plan.ragged ? "a decode step (no query_start)" : "ragged (query_start given)",
                   " (make the plan for this step)");
-  MJOLNIR_REQUIRE(plan.ragged ? plan.q_len == kMaxQLen : plan.q_len == step.q_len,
+  MJOLNIR_REQUIRE(plan.ragged ? plan.q_len == kQueryTileTokens : plan.q_len == step.q_len,
                   "plan.q_len: ", plan.q_len, " differs from params.q_len ", step.q_len,
                   " (make the plan for this step)");
   MJOLNIR_REQUIRE(plan.capacity.num_kv_heads == hk,
@@ -159,12 +159,12 @@ void check_plan(const Plan& plan, const DecodeArgs& args) {
   std::size_t i = 0;
   for (int b = 0; b < num_seqs; ++b) {
     const int queries = step.query_len(b);
-    const int count = plan.ragged ? (queries + kMaxQLen - 1) / kMaxQLen : 1;
+    const int count = plan.ragged ? (queries + kQueryTileTokens - 1) / kQueryTileTokens : 1;
     for (int k = 0; k < count; ++k, ++i) {
       MJOLNIR_REQUIRE(i < tiles, "plan.num_query_tiles: ", tiles,
                       " tiles do not cover the step's query tokens (make the plan for this step)");
-      const int q_begin = k * kMaxQLen;
-      const int q_count = plan.ragged ? std::min(kMaxQLen, queries - q_begin) : queries;
+      const int q_begin = k * kQueryTileTokens;
+      const int q_count = plan.ragged ? std::min(kQueryTileTokens, queries - q_begin) : queries;
       const int len = step.seq_lens[b];
       const int kv_len = step.causal ? len - queries + q_begin + q_count : len;
       const QueryTile& qt = plan.query_tiles[i];

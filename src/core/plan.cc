@@ -75,17 +75,17 @@ void check_step(const StepShape& step, const PlanOptions& options) {
 }
 
 // Calls f(tile) for the step's query tiles in order: one per sequence in a decode step, the
-// sequence's query tokens kMaxQLen at a time in a ragged one.
+// sequence's query tokens kQueryTileTokens at a time in a ragged one.
 template <class F>
 void for_each_query_tile(const StepShape& step, F&& f) {
   const bool ragged = !step.query_start.empty();
   for (int b = 0; b < step.num_seqs(); ++b) {
     const int len = step.seq_lens[b];
     const int queries = step.query_len(b);
-    const int count = ragged ? ceil_div(queries, kMaxQLen) : 1;
+    const int count = ragged ? ceil_div(queries, kQueryTileTokens) : 1;
     for (int i = 0; i < count; ++i) {
-      const int q_begin = i * kMaxQLen;
-      const int q_count = ragged ? std::min(kMaxQLen, queries - q_begin) : queries;
+      const int q_begin = i * kQueryTileTokens;
+      const int q_count = ragged ? std::min(kQueryTileTokens, queries - q_begin) : queries;
       f(QueryTile{b, q_begin, q_count, step.causal ? len - queries + q_begin + q_count : len});
     }
   }
@@ -130,7 +130,7 @@ int query_tiles_needed(std::span<const std::int32_t> query_start) {
   check_query_start(query_start, query_start.size() - 1);
   std::int64_t tiles = 0;
   for (std::size_t b = 0; b + 1 < query_start.size(); ++b) {
-    tiles += ceil_div(query_start[b + 1] - query_start[b], kMaxQLen);
+    tiles += ceil_div(query_start[b + 1] - query_start[b], kQueryTileTokens);
   }
   return static_cast<int>(tiles);
 }
@@ -182,7 +182,7 @@ void make_plan(Plan& plan, const StepShape& step, const PlanOptions& options) {
   const int slots = plan.partial_slots();
 
   plan.tile_tokens = tile;
-  plan.q_len = ragged ? kMaxQLen : step.q_len;
+  plan.q_len = ragged ? kQueryTileTokens : step.q_len;
   plan.ragged = ragged;
   plan.num_seqs = num_seqs;
   int tiles = 0;

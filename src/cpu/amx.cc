@@ -38,6 +38,7 @@ std::atomic<bool>& amx_flag() {
 }
 
 std::atomic<std::uint64_t> g_amx_items{0};
+std::atomic<std::uint64_t> g_amx_value_items{0};
 
 }  // namespace
 
@@ -51,5 +52,8 @@ bool amx_enabled() { return amx_flag().load(std::memory_order_relaxed); }
 
 std::uint64_t amx_items() { return g_amx_items.load(); }
 void count_amx_item() { g_amx_items.fetch_add(1, std::memory_order_relaxed); }
+
+std::uint64_t amx_value_items() { return g_amx_value_items.load(); }
+void count_amx_value_item() { g_amx_value_items.fetch_add(1, std::memory_order_relaxed); }
 
 }  // namespace mjolnir::cpu

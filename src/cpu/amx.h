@@ -18,5 +18,9 @@ bool amx_enabled();
 // Work items whose Q . K ran on AMX tiles since the process started (tests check the path ran).
 std::uint64_t amx_items();
 void count_amx_item();
+// Work items whose P . V ran on AMX tiles (P mode bf16, amx_values-inl.h) since the process
+// started.
+std::uint64_t amx_value_items();
+void count_amx_value_item();
 
 }  // namespace mjolnir::cpu

@@ -65,25 +65,53 @@ inline std::size_t AmxQueryWords(int rows, std::size_t d) {
 inline std::size_t AmxKeyWords(std::size_t d) { return kAmxKeys * d; }
 inline constexpr std::size_t kAmxSumFloats = 2 * 16 * 16;
 
+// Transposes 16 vectors of 16 32-bit lanes in place: v[i] lane j <- v[j] lane i.
+HWY_INLINE void Transpose16x16(__m512i v[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(v[i], v[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(v[i], v[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    v[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    v[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    v[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    v[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  // Now v[4a + b] holds, in its 128-bit block k, lane 4k + b of vectors 4a .. 4a + 3: lane
+  // 4k + b of the result takes block k of v[b], v[4 + b], v[8 + b] and v[12 + b], in order.
+  for (int b = 0; b < 4; ++b) {
+    const __m512i x = _mm512_shuffle_i32x4(v[b], v[4 + b], 0x88);  // blocks 0, 2 of each
+    const __m512i y = _mm512_shuffle_i32x4(v[8 + b], v[12 + b], 0x88);
+    const __m512i x2 = _mm512_shuffle_i32x4(v[b], v[4 + b], 0xDD);  // blocks 1, 3 of each
+    const __m512i y2 = _mm512_shuffle_i32x4(v[8 + b], v[12 + b], 0xDD);
+    t[b] = _mm512_shuffle_i32x4(x, y, 0x88);
+    t[8 + b] = _mm512_shuffle_i32x4(x, y, 0xDD);
+    t[4 + b] = _mm512_shuffle_i32x4(x2, y2, 0x88);
+    t[12 + b] = _mm512_shuffle_i32x4(x2, y2, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) v[i] = t[i];
+}
+
 // q_tiles from PrepareDotQuery's q_words ([rows][qs] bf16 words in Dot's channel order):
 // tile (group, step) word 32 p + 2 m + i = word 32 step + 2 p + i of query row 16 group + m,
-// zero past the last row.
+// zero past the last row. In 32-bit pairs of words, each tile is the transpose of the group's
+// 16 rows x 16 pairs of the step.
 inline void PrepareAmxQuery(const std::uint16_t* HWY_RESTRICT q_words, std::size_t qs, int rows,
                             std::size_t d, std::uint16_t* HWY_RESTRICT q_tiles) {
   const int groups = (rows + kAmxRows - 1) / kAmxRows;
   const std::size_t steps = d / kAmxStep;
   for (int group = 0; group < groups; ++group) {
     for (std::size_t step = 0; step < steps; ++step) {
-      std::uint16_t* tile = q_tiles + (std::size_t(group) * steps + step) * 16 * 32;
-      for (int p = 0; p < 16; ++p) {
-        for (int m = 0; m < kAmxRows; ++m) {
-          const int r = group * kAmxRows + m;
-          for (int i = 0; i < 2; ++i) {
-            tile[32 * p + 2 * m + i] =
-                r < rows ? q_words[std::size_t(r) * qs + kAmxStep * step + 2 * p + i] : 0;
-          }
-        }
+      __m512i pairs[16];
+      for (int m = 0; m < kAmxRows; ++m) {
+        const int r = group * kAmxRows + m;
+        pairs[m] = r < rows ? _mm512_loadu_si512(q_words + std::size_t(r) * qs + kAmxStep * step)
+                            : _mm512_setzero_si512();
       }
+      Transpose16x16(pairs);
+      std::uint16_t* tile = q_tiles + (std::size_t(group) * steps + step) * 16 * 32;
+      for (int p = 0; p < 16; ++p) _mm512_storeu_si512(tile + 32 * p, pairs[p]);
     }
   }
 }
@@ -139,7 +167,12 @@ HWY_NOINLINE inline void ReleaseAmxTiles() { _tile_release(); }
 // kAmxSumFloats floats of scratch, 64-byte aligned. Writes up to 15 scores past `count`, inside
 // each scores row's padding (the softmax overwrites them). The tiles must be configured
 // (AmxTiles).
-template <class Dot>
+//
+// kColumns: the tiles' own layout instead, unscaled: scores[t][r] = q_r . k_t for keys t in the
+// count rounded up to 32 (zero keys past count) and rows r in `rows` rounded up to 16, rows
+// `stride` floats apart, stored straight from the tiles (no gather): for the column softmax of
+// P . V on the tiles (amx_values-inl.h). sums is unused then.
+template <class Dot, bool kColumns = false>
 HWY_NOINLINE void ScoresAmx(const std::uint16_t* HWY_RESTRICT q_tiles, int rows, std::size_t d,
                             const std::uint8_t* const* bases, std::int64_t offset, int count,
                             float scale, float* HWY_RESTRICT scores, std::size_t stride,
@@ -198,6 +231,36 @@ HWY_NOINLINE void ScoresAmx(const std::uint16_t* HWY_RESTRICT q_tiles, int rows,
     const bool second = n > 16;
     for (int group = 0; group < groups; ++group) {
       const std::uint16_t* q_group = q_tiles + std::size_t(group) * steps * 16 * 32;
+      if constexpr (kColumns) {
+        // Two column groups at once where there are: four chains of products into four C
+        // tiles, where one group's two chains wait on each product's latency (about three times
+        // its issue interval) before the next can start.
+        if (second && group + 1 < groups) {
+          const std::uint16_t* q_next = q_group + steps * 16 * 32;
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
+          for (std::size_t step = 0; step < steps; ++step) {
+            _tile_loadd(4, q_group + step * 16 * 32, 64);
+            _tile_loadd(6, a_rows[0] + step * kAmxStep, a_stride[0]);
+            _tile_dpbf16ps(0, 6, 4);
+            _tile_loadd(7, a_rows[1] + step * kAmxStep, a_stride[1]);
+            _tile_dpbf16ps(1, 7, 4);
+            _tile_loadd(5, q_next + step * 16 * 32, 64);
+            _tile_dpbf16ps(2, 6, 5);
+            _tile_dpbf16ps(3, 7, 5);
+          }
+          float* out = scores + std::size_t(t0) * stride + group * kAmxRows;
+          const long out_stride = long(stride * sizeof(float));
+          _tile_stored(0, out, out_stride);
+          _tile_stored(1, out + 16 * stride, out_stride);
+          _tile_stored(2, out + kAmxRows, out_stride);
+          _tile_stored(3, out + 16 * stride + kAmxRows, out_stride);
+          ++group;
+          continue;
+        }
+      }
       _tile_zero(0);
       if (second) _tile_zero(1);
       // Even and odd steps load into different tiles (A: 6 and 7, or 2 and 3; B: 4 or 5), so a
@@ -220,6 +283,13 @@ HWY_NOINLINE void ScoresAmx(const std::uint16_t* HWY_RESTRICT q_tiles, int rows,
           _tile_loadd(3, k1 + kAmxStep, a_stride[1]);
           _tile_dpbf16ps(1, 3, 5);
         }
+      }
+      if constexpr (kColumns) {
+        float* out = scores + std::size_t(t0) * stride + group * kAmxRows;
+        const long out_stride = long(stride * sizeof(float));
+        _tile_stored(0, out, out_stride);
+        if (second) _tile_stored(1, out + 16 * stride, out_stride);
+        continue;
       }
       _tile_stored(0, sums, 64);
       if (second) _tile_stored(1, sums + 256, 64);

@@ -16,11 +16,13 @@
 // its values accumulate (tile_prefetcher.h): pages are scattered through the block table, so no
 // hardware prefetcher can follow a sequence from one page to the next.
 //
-// Numerics. With P in fp32 (the CPU's mode) scores use FMAs in any order and exp2 is a fast
-// polynomial: they differ from the emulator by fp32 rounding only. With P rounded to bf16 or
-// fp8, a score one ulp off could flip a P code, so there the scores are computed in the
-// emulator's exact order from true decoded values (exact_scores-inl.h) and exp2 is glibc's exp2f
-// bit for bit (exp2-inl.h): the P codes match the emulator's exactly.
+// Numerics. With P in fp32 scores use FMAs in any order and exp2 is a fast polynomial: they
+// differ from the emulator by fp32 rounding only. With P in bf16 P is rounded from those same
+// scores, as the contract allows (docs/numerics.md): a P code sitting on a bf16 tie can round
+// to its neighbour; from 8 query rows on CPUs with AMX, P . V then runs on the tiles
+// (amx_values-inl.h). With P in fp8, whose codes are 16 times coarser, the scores are computed in
+// the emulator's exact order from true decoded values (exact_scores-inl.h) and exp2 is glibc's
+// exp2f bit for bit (exp2-inl.h): the P codes match the emulator's exactly.
 #include "cpu/simd_targets.h"
 
 #undef HWY_TARGET_INCLUDE
@@ -28,6 +30,7 @@
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 // Must come after foreach_target.h.
 #include "cpu/amx_scores-inl.h"
+#include "cpu/amx_values-inl.h"
 #include "cpu/bf16_dot-inl.h"
 #include "cpu/exact_scores-inl.h"
 #include "cpu/kernel_blocks-inl.h"
@@ -105,7 +108,8 @@ enum Slot : int {
   kRowState,
   kRowOffsets,
   kQTiles,
-  kAmxBuffers
+  kAmxBuffers,
+  kAmxValues
 };
 
 // --- KV row addressing and prefetch ----------------------------------------------------------
@@ -386,20 +390,30 @@ void RunUnit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, in
   const int d = geo.head_dim;
   const int g = args.params.num_q_heads / geo.num_kv_heads;
   const int rows = items[0].q_count * g;  // the unit's items share their query tile
-  const bool exact = args.params.p_mode != PMode::fp32;
+  const bool p_rounded = args.params.p_mode != PMode::fp32;
 #if MJOLNIR_BF16_DOT
   using Dot = typename DotDecoderOf<Decoder>::type;
+  // P mode bf16 rounds P from the kernel's own scores (docs/numerics.md), and where the tiles
+  // exist takes P . V onto them (amx_values-inl.h); P mode fp8, whose codes are 16 times
+  // coarser, computes the scores in the emulator's order (the exact path), so that its P codes
+  // are the emulator's.
+  const bool amx_values = !std::is_void_v<Dot> && rows >= kAmxMinRows &&
+                          amx_values_apply(geo.format, args.params.p_mode, d);
+  const bool exact = args.params.p_mode == PMode::fp8;
   // Per head below: Q in fp32 mode takes them too where its values are bf16 values.
   const bool dot_format =
       !std::is_void_v<Dot> && !exact && bf16_dot_applies(geo.format, QMode::bf16, d);
   // Where the dot products apply, Q . K goes on AMX tiles instead on CPUs that have them.
   const bool amx_format = dot_format && rows >= kAmxMinRows && amx_enabled() && cpu_has_amx();
 #else
+  const bool exact = args.params.p_mode == PMode::fp8;
+  constexpr bool amx_values = false;
   constexpr bool dot_format = false;
   constexpr bool amx_format = false;
 #endif
+  // With P rounded, P codes depend on each tile's running max: the plan's tile, as the emulator.
   const int tile =
-      exact ? plan.tile_tokens : FastPathTile(plan.tile_tokens, heads, geo.row_bytes());
+      p_rounded ? plan.tile_tokens : FastPathTile(plan.tile_tokens, heads, geo.row_bytes());
   static const bool fused = baseline_fuses_multiply_add();
   const std::size_t stride = (std::size_t(tile) + 15) / 16 * 16 + 16;  // scores / probs rows
   const std::size_t ld = std::size_t(d) + 16;
@@ -416,12 +430,20 @@ void RunUnit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, in
   const std::size_t exact_lanes = rows <= 4 ? hn::Lanes(de4) : hn::Lanes(df);
   const std::size_t rows_padded = (std::size_t(rows) + exact_lanes - 1) / exact_lanes * exact_lanes;
   const std::size_t q_floats = exact ? rows_padded * d : std::size_t(rows) * ld;
-  // P . V folds 2^p_exp into P: p * 2^p_exp . raw v (= v 2^kRawExp).
-  const int p_exp = std::min(-Decoder::kRawExp, kMaxFoldExp);
+  // P . V folds 2^p_exp into P: p * 2^p_exp . raw v (= v 2^kRawExp). On the tiles V is decoded
+  // to true values and P stays as rounded.
+  const int p_exp = amx_values ? 0 : std::min(-Decoder::kRawExp, kMaxFoldExp);
+  const int v_raw_exp = amx_values ? 0 : Decoder::kRawExp;
+  // The accumulator's rows: padded to whole A tiles on the tiles.
+#if MJOLNIR_AMX
+  const int acc_rows = amx_values ? AmxPaddedRows(rows) : rows;
+#else
+  const int acc_rows = rows;
+#endif
 
   float* qn = scratch.floats(kQNatural, std::size_t(rows) * d);
   float* q_all = scratch.floats(kQKernel, q_floats * heads);
-  float* acc_all = scratch.floats(kAcc, std::size_t(rows) * ld * heads);
+  float* acc_all = scratch.floats(kAcc, std::size_t(acc_rows) * ld * heads);
   float* state_all = scratch.floats(kRowState, 3 * std::size_t(rows) * heads);
   static_assert(std::is_trivially_destructible_v<HeadState>);
   HeadState* head_state = static_cast<HeadState*>(scratch.bytes(sizeof(HeadState) * heads));
@@ -444,12 +466,12 @@ void RunUnit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, in
     hs.k_offset = std::int64_t(item.kv_head) * cache.strides.head;
     hs.v_offset = hs.k_offset + cache.strides.kv;
     hs.q = q_all + q_floats * h;
-    hs.acc = acc_all + std::size_t(rows) * ld * h;
+    hs.acc = acc_all + std::size_t(acc_rows) * ld * h;
     float* st = state_all + 3 * std::size_t(rows) * h;
     hs.state = RowState{st, st + rows, st + 2 * rows};
     std::fill(hs.state.m, hs.state.m + rows, kNegInf);
     std::fill(hs.state.l, hs.state.l + rows, 0.0f);
-    std::fill(hs.acc, hs.acc + std::size_t(rows) * ld, 0.0f);
+    std::fill(hs.acc, hs.acc + std::size_t(acc_rows) * ld, 0.0f);
 
     const float score_scale = PrepareQuery(hs.it, qn);
     hs.q_tiles = nullptr;
@@ -501,14 +523,33 @@ void RunUnit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, in
 
   float* keys = exact ? scratch.floats(kKeys, std::size_t(d)) : nullptr;
   float* keys_natural = exact ? scratch.floats(kKeysNatural, std::size_t(kSubTokens) * d) : nullptr;
-  float* scores = scratch.floats(kScores, std::size_t(rows) * stride);
+#if MJOLNIR_AMX
+  // On the tiles, scores are kept in the tiles' layout, [keys][padded rows] (amx_values-inl.h).
+  const std::size_t column_stride = amx_values ? std::size_t(AmxPaddedRows(rows)) : 0;
+  const std::size_t column_floats =
+      std::size_t((tile + kAmxKeys - 1) / kAmxKeys) * kAmxKeys * column_stride;
+#else
+  const std::size_t column_floats = 0;
+#endif
+  float* scores = scratch.floats(kScores, std::max(std::size_t(rows) * stride, column_floats));
 #if MJOLNIR_AMX
   float* amx_sums =
       amx_format ? scratch.floats(kAmxBuffers, kAmxSumFloats + AmxKeyWords(std::size_t(d)) / 2)
                  : nullptr;
   std::uint16_t* amx_keys =
       amx_format ? reinterpret_cast<std::uint16_t*>(amx_sums + kAmxSumFloats) : nullptr;
-  const AmxTiles amx_tiles(amx_format);
+  // V's B tiles of the tile (one head at a time), then each head's P A-rows.
+  std::uint16_t* amx_value_tiles = nullptr;
+  std::uint16_t* amx_prob_words = nullptr;
+  const std::size_t prob_words = amx_values ? AmxProbWords(tile, rows) : 0;
+  if (amx_values) {
+    const std::size_t value_words = AmxValueWords(tile, std::size_t(d));
+    amx_value_tiles = reinterpret_cast<std::uint16_t*>(
+        scratch.floats(kAmxValues, (value_words + prob_words * heads) / 2));
+    amx_prob_words = amx_value_tiles + value_words;
+    for (int h = 0; h < heads; ++h) count_amx_value_item();
+  }
+  const AmxTiles amx_tiles(amx_format || amx_values);
 #endif
   float* probs_all = scratch.floats(kProbs, std::size_t(rows) * stride * heads);
   // Token bases of this tile and the next, which is prefetched while this one computes.
@@ -553,6 +594,14 @@ void RunUnit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, in
       if (hs.q_tiles != nullptr) {
 #if MJOLNIR_AMX
         if constexpr (!std::is_void_v<Dot>) {
+          if (amx_values) {  // scores, softmax and P in the tiles' layout: no gather
+            ScoresAmx<Dot, true>(hs.q_tiles, rows, std::size_t(d), bases, hs.k_offset, count, 1.0f,
+                                 scores, column_stride, prefetcher, prefetch_rows, amx_keys,
+                                 amx_sums);
+            SoftmaxColumns(it, scores, column_stride, first, count, hs.kernel_scale, hs.state,
+                           amx_prob_words + prob_words * h);
+            continue;
+          }
           ScoresAmx<Dot>(hs.q_tiles, rows, std::size_t(d), bases, hs.k_offset, count,
                          hs.kernel_scale, scores, stride, prefetcher, prefetch_rows, amx_keys,
                          amx_sums);
@@ -606,9 +655,21 @@ void RunUnit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, in
     prefetch_rows = (prefetcher.rows() + passes - 1) / passes;
     for (int h = 0; h < heads; ++h) {
       HeadState& hs = head_state[h];
-      AccumulateValues<Decoder>(hs.it, probs_all + std::size_t(h) * rows * stride, stride, bases,
-                                hs.v_offset, count, hs.acc, hs.state.alpha, prefetcher,
-                                prefetch_rows);
+      const float* probs = probs_all + std::size_t(h) * rows * stride;
+      if (amx_values) {
+#if MJOLNIR_AMX
+        if constexpr (!std::is_void_v<Dot>) {
+          // P is in the A rows already where the scores ran on the tiles (SoftmaxColumns).
+          ValuesAmx<Dot>(hs.q_tiles != nullptr ? nullptr : probs, stride, rows, bases, hs.v_offset,
+                         count, std::size_t(d), hs.acc, ld, hs.state.alpha, amx_value_tiles,
+                         amx_prob_words + prob_words * h, prefetcher,
+                         (prefetcher.rows() + heads * count - 1) / std::max(heads * count, 1));
+        }
+#endif
+        continue;
+      }
+      AccumulateValues<Decoder>(hs.it, probs, stride, bases, hs.v_offset, count, hs.acc,
+                                hs.state.alpha, prefetcher, prefetch_rows);
     }
     std::swap(bases, next_bases);
   }
@@ -616,7 +677,18 @@ void RunUnit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, in
   // Step 5: o = acc * v_scale / l, undoing the fold 2^(p_exp + kRawExp) and the channel order.
   const bool channel_scales = cache.granularity == ScaleGranularity::channel;
   const float p_mode_scale = args.params.p_mode == PMode::fp8 ? 256.0f : 1.0f;
-  const float unfold = std::ldexp(1.0f, -(p_exp + Decoder::kRawExp));
+  const float unfold = std::ldexp(1.0f, -(p_exp + v_raw_exp));
+  // On the tiles the accumulator's columns are in the tiles' channel order, and channel c of O is
+  // gathered from column source_of[c] (Intel cores, which have the tiles, gather fast).
+  std::int32_t* source_of = nullptr;
+#if MJOLNIR_AMX
+  if (amx_values) {
+    if constexpr (!std::is_void_v<Dot>) {
+      source_of = channel_of;
+      for (int i = 0; i < d; ++i) source_of[AmxValueChannel<Dot>(i)] = i;
+    }
+  }
+#endif
   for (int h = 0; h < heads; ++h) {
     const HeadState& hs = head_state[h];
     const int kv_head = items[h].kv_head;
@@ -635,7 +707,15 @@ void RunUnit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, in
       }
       const float inv_l = 1.0f / (l * p_mode_scale);
       const float* a = hs.acc + r * ld;
-      if (channel_scales) {
+      if (source_of != nullptr) {
+        const hn::RebindToSigned<FloatTag> di;
+        const float* vs = channel_scales ? &cache.v_scale[std::size_t(kv_head) * d] : nullptr;
+        const auto f = hn::Set(df, (vs ? 1.0f : cache.v_scale_at(kv_head, 0)) * inv_l * unfold);
+        for (int c = 0; c < d; c += int(hn::Lanes(df))) {
+          const auto v = hn::GatherIndex(df, a, hn::LoadU(di, source_of + c));
+          hn::StoreU(hn::Mul(v, vs ? hn::Mul(hn::LoadU(df, vs + c), f) : f), df, o + c);
+        }
+      } else if (channel_scales) {
         const float* vs = &cache.v_scale[std::size_t(kv_head) * d];
         const float f = inv_l * unfold;
         for (int i = 0; i < d; ++i) o[channel_of[i]] = a[i] * (vs[channel_of[i]] * f);
@@ -735,6 +815,11 @@ bool bf16_dot_applies(Format format, QMode q_mode, int head_dim) {
 bool cpu_has_bf16_dot() { return HWY_DYNAMIC_DISPATCH(HasBf16Dot)(); }
 
 std::uint64_t bf16_dot_items() { return g_bf16_dot_items.load(); }
+
+bool amx_values_apply(Format format, PMode p_mode, int head_dim) {
+  return p_mode == PMode::bf16 && format != Format::fp16 && head_dim % 64 == 0 &&
+         bf16_dot_enabled() && cpu_has_bf16_dot() && amx_enabled() && cpu_has_amx();
+}
 
 void run_work_unit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, int heads,
                    KernelScratch& scratch, const ItemOutput* outs) {

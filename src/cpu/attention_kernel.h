@@ -78,6 +78,12 @@ bool cpu_has_bf16_dot();
 // the process started: tests check which steps take them.
 std::uint64_t bf16_dot_items();
 
+// Whether steps of this format, P mode and head size run P . V on AMX tiles from kAmxMinRows (8)
+// query rows (cpu/amx_values-inl.h): P mode bf16, the tiles and the dot products here and
+// enabled, a format whose values are bf16 values (not fp16), D a multiple of 64. Their P is
+// rounded from the kernel's own scores (Backend::rounds_p_from_own_scores).
+bool amx_values_apply(Format format, PMode p_mode, int head_dim);
+
 // Highway targets the kernel is compiled for, best first, and the one run() uses on this CPU
 // (honouring hwy::DisableTargets / SetSupportedTargetsForTest).
 std::vector<std::string> kernel_targets();

@@ -95,6 +95,11 @@ class CpuBackend final : public Backend {
     return {};
   }
   int workers() const override { return executor_->workers(); }
+  // P mode bf16 rounds P from the kernel's own scores (attention_kernel.cc); fp8 P from the
+  // emulator's.
+  bool rounds_p_from_own_scores(const CacheGeometry&, const DecodeParams& params) const override {
+    return params.p_mode == PMode::bf16;
+  }
 
   std::size_t workspace_bytes(const Plan& plan, const CacheGeometry& geometry,
                               const DecodeParams& params) const override {

@@ -6,8 +6,9 @@
 namespace mjolnir::verify {
 
 // Relative L2 of O between a backend and the emulator in the same mode and plan: only the order
-// of fp32 accumulation differs (and, rarely, a P code that rounds the other way at a tie).
-double emulator_tolerance(const DecodeParams& params);
+// of fp32 accumulation differs (and, rarely, a P code that rounds the other way at a tie; more
+// often where the backend rounds P from its own scores, p_from_own_scores).
+double emulator_tolerance(const DecodeParams& params, bool p_from_own_scores = false);
 
 // Relative L2 of O against the fp64 reference on the decoded cache: the error of the Q and P
 // modes alone.
