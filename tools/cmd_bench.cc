@@ -180,8 +180,10 @@ verify::ProblemSpec base_spec(const BenchOptions& options, const Series& series)
   spec.group = heads.num_q_heads / heads.num_kv_heads;
   spec.params.q_len = series.q_len;
   spec.params.num_q_heads = heads.num_q_heads;
-  spec.params.q_mode = parse_q_mode(options.q_mode);
-  spec.params.p_mode = parse_p_mode(options.p_mode);
+  // "auto": the backend's choice per format (with_format), for a bf16 model's queries.
+  if (options.q_mode != "auto") spec.params.q_mode = parse_q_mode(options.q_mode);
+  if (options.p_mode != "auto") spec.params.p_mode = parse_p_mode(options.p_mode);
+  spec.bf16_queries = options.q_mode == "auto" || options.p_mode == "auto";
   spec.seed = options.seed;
   // Long caches repeat the K/V of their first positions on every later page: a batch of 8 x 128k
   // tokens would otherwise draw 2G normal values. The bytes read are the same.
@@ -189,12 +191,34 @@ verify::ProblemSpec base_spec(const BenchOptions& options, const Series& series)
   return spec;
 }
 
-// The base spec for one format: the --granularity given, or the format's recommended one.
+// The base spec for one format: the --granularity given, or the format's recommended one; the
+// Q and P modes given, or those the backend picks for the format ("auto": Backend::auto_modes).
 verify::ProblemSpec with_format(verify::ProblemSpec spec, const BenchOptions& options,
-                                Format format) {
+                                const Backend& backend, Format format) {
   spec.format = format;
   if (options.granularity.empty()) spec.granularity = recommended_granularity(format);
+  CacheGeometry geometry;
+  geometry.format = format;
+  geometry.head_dim = spec.head_dim;
+  geometry.num_kv_heads = spec.num_kv_heads;
+  geometry.page_size = spec.page_size;
+  const NumericsModes modes =
+      backend.auto_modes(geometry, spec.params.q_len * spec.group, spec.bf16_queries);
+  if (options.q_mode == "auto") spec.params.q_mode = modes.q_mode;
+  if (options.p_mode == "auto") spec.params.p_mode = modes.p_mode;
   return spec;
+}
+
+// "bf16", or "auto: bf16" when the backend picked it for every format, else "auto".
+template <class Mode>
+std::string mode_description(const std::string& option,
+                             const std::vector<verify::ProblemSpec>& specs,
+                             Mode DecodeParams::*mode) {
+  if (option != "auto") return option;
+  for (const verify::ProblemSpec& spec : specs) {
+    if (spec.params.*mode != specs.front().params.*mode) return "auto (per format)";
+  }
+  return specs.empty() ? "auto" : "auto: " + std::string(to_string(specs.front().params.*mode));
 }
 
 // "channel scales", or "channel scales (recommended)" when the flag is not given and the
@@ -212,9 +236,9 @@ std::string scales_description(const BenchOptions& options, const std::vector<Fo
 // Builds a one-sequence problem of every format, so a bad flag (a page size, a head size) fails
 // now with the library's own message, not after the bandwidth measurement.
 void check_configurations(const verify::ProblemSpec& base, const BenchOptions& options,
-                          const std::vector<Format>& formats) {
+                          const Backend& backend, const std::vector<Format>& formats) {
   for (const Format format : formats) {
-    verify::ProblemSpec spec = with_format(base, options, format);
+    verify::ProblemSpec spec = with_format(base, options, backend, format);
     spec.seq_lens = {spec.params.q_len};
     spec.keep_original_kv = false;
     verify::Problem problem(spec);
@@ -294,7 +318,7 @@ std::optional<Row> measure(const Backend& host_backend, bool on_gpu,
   Row row;
   row.backend = host_backend.name();
   row.spec = spec;
-  row.qk_bf16_dot = !on_gpu && row.backend == "cpu" && spec.params.p_mode == PMode::fp32 &&
+  row.qk_bf16_dot = !on_gpu && row.backend == "cpu" && spec.params.p_mode != PMode::fp8 &&
                     cpu::bf16_dot_applies(spec.format, spec.params.q_mode, spec.head_dim);
   // Working sets below this (or 4x the last-level cache) would time the cache, not memory.
   const std::size_t working_set = std::max(kMinWorkingSetBytes, 4 * cpu::last_level_cache_bytes());
@@ -403,8 +427,13 @@ CLI::App* add_bench_command(CLI::App& app, BenchOptions& options) {
   cmd->add_option("--granularity", options.granularity,
                   "Scale granularity: tensor, head, channel (default: each format's recommended "
                   "one, docs/accuracy.md)");
-  cmd->add_option("--q-mode", options.q_mode, "Q numerics: fp32, bf16, fp8")->capture_default_str();
-  cmd->add_option("--p-mode", options.p_mode, "P numerics: fp32, bf16, fp8")->capture_default_str();
+  cmd->add_option("--q-mode", options.q_mode,
+                  "Q numerics: auto (the backend's choice for a bf16 model's queries), fp32, "
+                  "bf16, fp8")
+      ->capture_default_str();
+  cmd->add_option("--p-mode", options.p_mode,
+                  "P numerics: auto (the backend's choice), fp32, bf16, fp8")
+      ->capture_default_str();
   cmd->add_option("--threads", options.threads, "CPU threads (0: every hardware thread)")
       ->check(kNonNegative)
       ->capture_default_str();
@@ -449,7 +478,7 @@ int run_bench(const BenchOptions& options) {
                   " cannot run here: ", unavailable);
 
   for (const Series& series : runs) {
-    check_configurations(base_spec(options, series), options, series.formats);
+    check_configurations(base_spec(options, series), options, *backend, series.formats);
     for (const int context : series.contexts) {
       // The context counts the q_len new tokens, which are in the cache when attention runs.
       MJOLNIR_REQUIRE(context >= series.q_len, "--context: ", context,
@@ -464,8 +493,11 @@ int run_bench(const BenchOptions& options) {
     const std::string machine = limit.machine.contains("gpu")
                                     ? limit.machine["gpu"].get<std::string>()
                                     : cpu_model_name() + " " + std::to_string(threads) + "t";
+    // Named for the modes of the first format (auto resolves per format).
+    const verify::ProblemSpec first =
+        with_format(base_spec(options, runs[0]), options, *backend, runs[0].formats.front());
     json_path = sweep_results_path(options.results_dir, std::string(backend->name()), utc_date(),
-                                   machine, base_spec(options, runs[0]).params);
+                                   machine, first.params);
   }
   std::ofstream json_file;
   if (!json_path.empty()) {
@@ -484,19 +516,23 @@ int run_bench(const BenchOptions& options) {
   nlohmann::ordered_json results = nlohmann::ordered_json::array();
   for (const Series& series : runs) {
     const verify::ProblemSpec base = base_spec(options, series);
+    std::vector<verify::ProblemSpec> per_format;
+    for (const Format format : series.formats) {
+      per_format.push_back(with_format(base, options, *backend, format));
+    }
     std::printf("%sworkload: backend %s, Hq %d, Hk %d, D %d, page %d, %s, %s, q %s, p %s\n",
                 series.name.empty() ? "" : ("\n[" + series.name + "] ").c_str(),
                 std::string(backend->name()).c_str(), series.heads.num_q_heads,
                 series.heads.num_kv_heads, series.head_dim, options.page_size,
                 std::string(to_string(base.layout)).c_str(),
                 scales_description(options, series.formats).c_str(),
-                std::string(to_string(base.params.q_mode)).c_str(),
-                std::string(to_string(base.params.p_mode)).c_str());
+                mode_description(options.q_mode, per_format, &DecodeParams::q_mode).c_str(),
+                mode_description(options.p_mode, per_format, &DecodeParams::p_mode).c_str());
     print_table_header();
     for (const int batch : series.batches) {
       for (const Format format : series.formats) {
         for (const int context : series.contexts) {
-          verify::ProblemSpec spec = with_format(base, options, format);
+          verify::ProblemSpec spec = with_format(base, options, *backend, format);
           spec.seq_lens.assign(batch, context);
           PlanOptions row_plan = plan_options;
           row_plan.max_splits = options.max_splits;

@@ -25,8 +25,10 @@ struct BenchOptions {
   int page_size = 16;
   std::string layout = "B2NHD";
   std::string granularity;  // empty: each format's recommended_granularity() (calibrate.h)
-  std::string q_mode = "fp32";
-  std::string p_mode = "fp32";
+  // "auto": the backend's choice per format (Backend::auto_modes), with queries that are bf16
+  // values as a bf16 model's are.
+  std::string q_mode = "auto";
+  std::string p_mode = "auto";
   int threads = 0;     // 0: every hardware thread
   int max_splits = 0;  // plan cap on chunks per sequence; 0: max_splits_to_fill (plan.h)
   int iterations = 0;

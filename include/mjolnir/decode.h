@@ -25,6 +25,12 @@ std::string_view to_string(PMode mode);
 QMode parse_q_mode(std::string_view name);
 PMode parse_p_mode(std::string_view name);
 
+// The numerics modes of a step (docs/numerics.md).
+struct NumericsModes {
+  QMode q_mode = QMode::fp32;
+  PMode p_mode = PMode::fp32;
+};
+
 struct DecodeParams {
   // Query tokens per sequence, 1..kMaxQLen (1 + speculative tokens). 0: a ragged step, any
   // number per sequence, from batch.query_start (prefill, chunked prefill, mixed lengths).
@@ -134,6 +140,18 @@ class Backend {
     (void)geometry;
     (void)params;
     return false;
+  }
+  // The modes a step runs in when the caller leaves them to the backend ("auto" in the Python
+  // ops and the vLLM plugin): the fastest whose error against the exact reference stays within
+  // 1.25x of Q and P in fp32 for the format (docs/accuracy.md measures the ratios).
+  // max_tile_rows: the most query rows one query tile of the step has (q_count x g);
+  // bf16_queries: the queries are bf16 values (a bf16 model's). Default: fp32 and fp32.
+  virtual NumericsModes auto_modes(const CacheGeometry& geometry, int max_tile_rows,
+                                   bool bf16_queries) const {
+    (void)geometry;
+    (void)max_tile_rows;
+    (void)bf16_queries;
+    return {};
   }
   // Capacity to plan for (PlanOptions::workers).
   virtual int workers() const = 0;

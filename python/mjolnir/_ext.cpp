@@ -103,6 +103,22 @@ nb::dict calibrate_file(const std::string& amax_path, const std::string& format,
   return scales_dict(scales);
 }
 
+// Backend::auto_modes of a backend ("cpu" or "reference"), as (q_mode, p_mode) names.
+std::tuple<std::string, std::string> auto_modes(const std::string& backend,
+                                                const std::string& format, int head_dim,
+                                                int max_tile_rows, bool bf16_queries) {
+  MJOLNIR_REQUIRE(backend == "cpu" || backend == "reference", "backend: '", backend,
+                  "' is not one of cpu, reference");
+  static const std::unique_ptr<Backend> cpu = make_backend("cpu", {.threads = 1});
+  static const std::unique_ptr<Backend> reference = make_backend("reference");
+  const Backend& b = backend == "reference" ? *reference : *cpu;
+  CacheGeometry geometry;
+  geometry.format = parse_format(format, "kv_format");
+  geometry.head_dim = head_dim;
+  const NumericsModes modes = b.auto_modes(geometry, max_tile_rows, bf16_queries);
+  return {std::string(to_string(modes.q_mode)), std::string(to_string(modes.p_mode))};
+}
+
 std::vector<std::string> names_of(auto&& all) {
   std::vector<std::string> names;
   for (auto value : all) names.emplace_back(to_string(value));
@@ -150,6 +166,9 @@ NB_MODULE(_ext, m) {
   m.def("formats", [] { return names_of(kAllFormats); });
   m.def("layouts", [] { return names_of(kAllLayouts); });
   m.def("compiled_backends", &compiled_backends);
+  m.def("auto_modes", &auto_modes, "backend"_a, "kv_format"_a, "head_dim"_a, "max_tile_rows"_a,
+        "bf16_queries"_a,
+        "The (q_mode, p_mode) a backend picks for 'auto' (Backend::auto_modes in decode.h)");
   m.def(
       "row_bytes",
       [](const std::string& format, int head_dim) {

@@ -12,7 +12,7 @@ from typing import Mapping, Optional
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
-_MODES = ("fp32", "bf16", "fp8")
+_MODES = ("auto", "fp32", "bf16", "fp8")
 # Where MJOLNIR_ATTN_KV_CALIBRATE=1 records.
 DEFAULT_AMAX_FILE = "mjolnir-kv-amax.json"
 # The formats MJOLNIR_ATTN_KV_FORMAT takes (every mjolnir format; "" = vLLM's kv_cache_dtype).
@@ -84,8 +84,10 @@ class AttnConfig:
 
     disable: bool = False  # MJOLNIR_ATTN_DISABLE: 1 = do not register the backend at all
     fallback: bool = True  # MJOLNIR_ATTN_FALLBACK: a step mjolnir cannot plan -> PyTorch path
-    q_dtype: str = "fp32"  # MJOLNIR_ATTN_Q_DTYPE: Q mode fp32 | bf16 | fp8
-    p_dtype: str = "fp32"  # MJOLNIR_ATTN_P_DTYPE: P mode fp32 | bf16 | fp8
+    # MJOLNIR_ATTN_Q_DTYPE / _P_DTYPE: Q and P modes, auto | fp32 | bf16 | fp8. auto: the
+    # backend's choice per layer (Backend::auto_modes; docs/python.md).
+    q_dtype: str = "auto"
+    p_dtype: str = "auto"
     max_splits: int = 16  # MJOLNIR_ATTN_MAX_SPLITS: cap on split-KV chunks per sequence
     threads: int = 0  # MJOLNIR_ATTN_THREADS: CPU worker threads of mjolnir's own, 0 = torch's
     kv_format: str = ""  # MJOLNIR_ATTN_KV_FORMAT: the cache's format, "" = vLLM's kv_cache_dtype
@@ -98,8 +100,8 @@ class AttnConfig:
         return cls(
             disable=_flag(env, "MJOLNIR_ATTN_DISABLE", False),
             fallback=_flag(env, "MJOLNIR_ATTN_FALLBACK", True),
-            q_dtype=_mode(env, "MJOLNIR_ATTN_Q_DTYPE", "fp32"),
-            p_dtype=_mode(env, "MJOLNIR_ATTN_P_DTYPE", "fp32"),
+            q_dtype=_mode(env, "MJOLNIR_ATTN_Q_DTYPE", "auto"),
+            p_dtype=_mode(env, "MJOLNIR_ATTN_P_DTYPE", "auto"),
             max_splits=_int(env, "MJOLNIR_ATTN_MAX_SPLITS", 16, 1, 256),
             threads=_int(env, "MJOLNIR_ATTN_THREADS", 0, 0, 4096),
             kv_format=_format(env, "MJOLNIR_ATTN_KV_FORMAT"),

@@ -173,10 +173,13 @@ class MjolnirCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         index_layers(vllm_config, self.config)
         owned = sum(r is None for r in reasons)
         fmt = impls[0].mjolnir_format(probe) if owned else None
+        modes = describe_modes(self.config, fmt, impls[0].head_size,
+                               impls[0].num_heads // impls[0].num_kv_heads,
+                               vllm_config.model_config.dtype) if owned else "-"
         logger.info(
-            "mjolnir: %d of %d attention layers run on mjolnir (format %s, Q %s, P %s, "
-            "threads %s)%s", owned, len(impls), fmt, self.config.q_dtype, self.config.p_dtype,
-            self.config.threads or "torch's", "" if owned == len(impls) else
+            "mjolnir: %d of %d attention layers run on mjolnir (format %s, %s, threads %s)%s",
+            owned, len(impls), fmt, modes, self.config.threads or "torch's",
+            "" if owned == len(impls) else
             f"; the others stay vLLM's: {sorted(set(r for r in reasons if r))}")
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
@@ -202,6 +205,24 @@ class MjolnirCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         if meta.dynamic_causal is None:  # per-request causality is the PyTorch path's
             meta.mjolnir_step = plan_step(meta, self.num_heads, self.num_kv_heads, self.config)
         return meta
+
+
+def describe_modes(config: AttnConfig, fmt: str, head_size: int, group: int,
+                   model_dtype) -> str:
+    """The Q and P modes the layers run in, for the start-up log: the configured ones, or what
+    "auto" picks (Backend::auto_modes) for decode steps and for prompts."""
+    bf16 = model_dtype == torch.bfloat16
+    decode = _ext.auto_modes("cpu", fmt, head_size, group, bf16)
+    prompt = _ext.auto_modes("cpu", fmt, head_size, group * _ext.QUERY_TILE_TOKENS, bf16)
+
+    def one(setting, index, what):
+        if setting != "auto":
+            return f"{what} {setting}"
+        if decode[index] == prompt[index]:
+            return f"{what} auto: {decode[index]}"
+        return f"{what} auto: {decode[index]} for decode steps, {prompt[index]} for prompts"
+
+    return f"{one(config.q_dtype, 0, 'Q')}, {one(config.p_dtype, 1, 'P')}"
 
 
 def plan_step(meta, num_heads: int, num_kv_heads: int, config: AttnConfig):

@@ -14,7 +14,7 @@ def test_defaults():
     assert AttnConfig.from_env({}) == AttnConfig()
     c = AttnConfig()
     assert (c.disable, c.fallback, c.q_dtype, c.p_dtype, c.max_splits, c.threads, c.kv_format) \
-        == (False, True, "fp32", "fp32", 16, 0, "")
+        == (False, True, "auto", "auto", 16, 0, "")
 
 
 def test_values():
@@ -34,8 +34,8 @@ def test_values():
 @pytest.mark.parametrize("name,value,pattern", [
     ("MJOLNIR_ATTN_DISABLE", "maybe", "is not a boolean"),
     ("MJOLNIR_ATTN_FALLBACK", "2", "is not a boolean"),
-    ("MJOLNIR_ATTN_Q_DTYPE", "int8", "is not one of fp32, bf16, fp8"),
-    ("MJOLNIR_ATTN_P_DTYPE", "fp4", "is not one of fp32, bf16, fp8"),
+    ("MJOLNIR_ATTN_Q_DTYPE", "int8", "is not one of auto, fp32, bf16, fp8"),
+    ("MJOLNIR_ATTN_P_DTYPE", "fp4", "is not one of auto, fp32, bf16, fp8"),
     ("MJOLNIR_ATTN_KV_FORMAT", "fp5", "is not one of bf16, fp16, fp8_e4m3"),
     ("MJOLNIR_ATTN_MAX_SPLITS", "many", "is not an integer"),
     ("MJOLNIR_ATTN_THREADS", "-1", r"-1 is outside \[0, 4096\]"),

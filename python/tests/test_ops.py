@@ -407,3 +407,32 @@ def test_empty_step(gen):
     torch.ops.mjolnir.write_kv(p.k[:0], p.v[:0], p.kv_cache, p.slots[:0], p.k_scale,
                                p.v_scale, "fp8_e4m3")
     assert torch.equal(before, p.kv_cache)
+
+
+def test_auto_modes_are_the_backends_choice(gen):
+    """plan_step with q_mode / p_mode "auto": each layer runs in the modes Backend::auto_modes
+    picks for its format and queries (Q bf16 for bf16 queries; P bf16 only where P . V runs on
+    AMX tiles, from 8 query rows), with the same outputs as those modes given explicitly."""
+    p = Problem(gen, "fp8_e4m3", "BHN2D", 1, "channel", d=128, num_seqs=2, max_len=120)
+    lens = p.seq_lens.tolist()
+    query_lens = [lens[0], 1]
+    ragged(p, gen, query_lens)
+    rows = sum(query_lens)
+    q = p.q[:rows].to(torch.bfloat16)
+    auto = torch.ops.mjolnir.plan_step(p.seq_lens, p.block_table, p.query_start, 0, q.shape[1], 2,
+                                       q_mode="auto", p_mode="auto")
+    group = q.shape[1] // 2
+    want_q, want_p = mjolnir._ext.auto_modes("cpu", "fp8_e4m3", 128,
+                                             group * min(lens[0], mjolnir.QUERY_TILE_TOKENS), True)
+    assert auto.modes_for("fp8_e4m3", 128, True) == f"{want_q},{want_p}"
+    assert want_q == "bf16"
+    explicit = torch.ops.mjolnir.plan_step(p.seq_lens, p.block_table, p.query_start, 0,
+                                           q.shape[1], 2, q_mode=want_q, p_mode=want_p)
+    outs = []
+    for step in (auto, explicit):
+        out = torch.empty_like(q)
+        step.attend(out, q, p.kv_cache, p.k_scale, p.v_scale, "fp8_e4m3", "BHN2D", 0.0)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    with pytest.raises(ValueError, match="backend"):
+        mjolnir._ext.auto_modes("gpu", "bf16", 128, 4, True)

@@ -49,13 +49,7 @@ inline constexpr int kAmxRows = 16;          // query rows per column group (C's
 inline constexpr int kAmxKeys = 32;          // keys per block: two C tiles of 16
 inline constexpr std::size_t kAmxStep = 32;  // channels per TDPBF16PS (A's columns)
 
-// Query rows (g x q_len) from which Q . K goes on the tiles wherever the dot products apply. With 4
-// rows (g 4, q_len 1) the dot products were faster from memory (mjolnir bench, 32k tokens, Q bf16,
-// interleaved: the tiles took bf16 10% longer, fp8 14%, nvfp4 10%, fp6 4%, fp4 0-5% less): the
-// tiles' fixed cost per key (K stored, loaded as a tile, the sums gathered back) is then about the
-// dot products' whole work. From 8 rows on the tiles win (fp4 32-35%, fp6 15-20%, nvfp4 15-18%, fp8
-// and bf16 about even) and at 16 by far (16-42%): docs/cpu-performance.md.
-inline constexpr int kAmxMinRows = 8;
+// kAmxMinRows (cpu/attention_kernel.h): the query rows from which work goes on the tiles.
 
 // Words of one head's B tiles: per column group and 32-channel step, 16 pairs x 16 rows x 2.
 inline std::size_t AmxQueryWords(int rows, std::size_t d) {

@@ -95,6 +95,21 @@ class CpuBackend final : public Backend {
     return {};
   }
   int workers() const override { return executor_->workers(); }
+  // Q in bf16 for bf16 queries: their values, and per-channel K scales folded in and rounded,
+  // which lets Q . K run on the dot products or AMX tiles (error 1.00x of fp32 Q's in
+  // docs/accuracy.md). P in bf16 where P . V then runs on AMX tiles (8 query rows or more: 2-3x
+  // faster prefill; error 1.00-1.01x of fp32 P's for the 8-bit and smaller formats, 1.01-1.19x
+  // for bf16); elsewhere P in fp32, which decodes 5-15% faster than bf16 P on the FMAs.
+  NumericsModes auto_modes(const CacheGeometry& geometry, int max_tile_rows,
+                           bool bf16_queries) const override {
+    NumericsModes modes;
+    if (bf16_queries) modes.q_mode = QMode::bf16;
+    if (max_tile_rows >= kAmxMinRows &&
+        amx_values_apply(geometry.format, PMode::bf16, geometry.head_dim)) {
+      modes.p_mode = PMode::bf16;
+    }
+    return modes;
+  }
   // P mode bf16 rounds P from the kernel's own scores (attention_kernel.cc); fp8 P from the
   // emulator's.
   bool rounds_p_from_own_scores(const CacheGeometry&, const DecodeParams& params) const override {

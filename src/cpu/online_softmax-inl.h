@@ -79,8 +79,12 @@ HWY_INLINE void SoftmaxRow(const ItemContext& it, int r, float* HWY_RESTRICT sco
   } else {
     const auto vscale = hn::Set(df, fold.scale);
     const auto fp8_scale = hn::Set(df, 256.0f);
+    // P in bf16 is rounded from the kernel's own scores (attention_kernel.cc), so the exact exp2
+    // would buy nothing there; fp8 P follows the emulator bit for bit.
+    const bool exact_exp2 = it.p_mode == PMode::fp8;
     for (std::size_t i = 0; i < padded; i += n) {
-      const auto pv = Exp2Exact(df, hn::Sub(hn::Load(df, s + i), vm));
+      const auto x = hn::Sub(hn::Load(df, s + i), vm);
+      const auto pv = exact_exp2 ? Exp2Exact(df, x) : Exp2Fast(df, x, 0);
       sum = hn::Add(sum, pv);
       const auto used = it.p_mode == PMode::bf16
                             ? RoundToMinifloat<kBf16Spec>(df, pv)

@@ -354,8 +354,11 @@ class Step final : public torch::CustomClassHolder {
        const std::string& q_mode, const std::string& p_mode, std::int64_t max_splits,
        std::int64_t threads, const std::string& backend)
       : tensors_(step_tensors(block_table, seq_lens, query_start)),
-        params_(decode_params(query_start.has_value() ? 0 : q_len, num_q_heads, causal, 0.0, q_mode,
-                              p_mode)),
+        params_(decode_params(query_start.has_value() ? 0 : q_len, num_q_heads, causal, 0.0,
+                              q_mode == "auto" ? "fp32" : q_mode,
+                              p_mode == "auto" ? "fp32" : p_mode)),
+        q_auto_(q_mode == "auto"),
+        p_auto_(p_mode == "auto"),
         device_(backend == "cuda" ? at::Device(at::kCUDA) : at::Device(at::kCPU)),
         backend_(&backend_for(device_, backend, threads)) {
     if (query_start.has_value() && q_len != 0) {
@@ -383,6 +386,10 @@ class Step final : public torch::CustomClassHolder {
     });
     rows_ = shape.query_start.empty() ? std::int64_t(shape.num_seqs()) * params_.q_len
                                       : std::int64_t(shape.query_start.back());
+    const int g = int(num_q_heads / num_kv_heads);
+    for (int i = 0; i < plan_.num_query_tiles; ++i) {
+      max_tile_rows_ = std::max(max_tile_rows_, plan_.query_tiles[i].q_count * g);
+    }
   }
   ~Step() override {
     if (workspace_) HostWorkspaces::give_back(std::move(workspace_), workspace_capacity_);
@@ -418,6 +425,12 @@ class Step final : public torch::CustomClassHolder {
     const FloatRows o32 = float_rows_out(output, rows_, scratch.o);
     DecodeParams params = params_;
     params.softmax_scale = float(softmax_scale);
+    if (q_auto_ || p_auto_) {  // the backend's choice for this layer's format and queries
+      const NumericsModes modes = backend_->auto_modes(cache.view.geometry, max_tile_rows_,
+                                                       q.scalar_type() == at::kBFloat16);
+      if (q_auto_) params.q_mode = modes.q_mode;
+      if (p_auto_) params.p_mode = modes.p_mode;
+    }
     const DecodeArgs args = decode_args(cache.view, batch_, params, q32, o32);
     with_op_errors([&] {
       validate(args);
@@ -450,6 +463,21 @@ class Step final : public torch::CustomClassHolder {
 
   std::int64_t num_items() const { return plan_.num_items; }
   std::int64_t num_query_tiles() const { return plan_.num_query_tiles; }
+  // The Q and P modes attend runs a layer of this format and head size in (the step's own, or
+  // the backend's choice where they are "auto"), as "q_mode,p_mode": for logs.
+  std::string modes_for(const std::string& kv_format, std::int64_t head_dim,
+                        bool bf16_queries) const {
+    NumericsModes modes{params_.q_mode, params_.p_mode};
+    if (q_auto_ || p_auto_) {
+      CacheGeometry geometry;
+      geometry.format = with_op_errors([&] { return parse_format(kv_format, "kv_format"); });
+      geometry.head_dim = int(head_dim);
+      const NumericsModes chosen = backend_->auto_modes(geometry, max_tile_rows_, bf16_queries);
+      if (q_auto_) modes.q_mode = chosen.q_mode;
+      if (p_auto_) modes.p_mode = chosen.p_mode;
+    }
+    return std::string(to_string(modes.q_mode)) + "," + std::string(to_string(modes.p_mode));
+  }
   std::int64_t workers() const { return backend_->workers(); }
   std::int64_t query_rows() const { return rows_; }
 
@@ -457,6 +485,8 @@ class Step final : public torch::CustomClassHolder {
   StepTensors tensors_;
   PagedBatch batch_;
   DecodeParams params_;
+  bool q_auto_ = false, p_auto_ = false;  // "auto": Backend::auto_modes per layer
+  int max_tile_rows_ = 0;                  // the most query rows of one query tile
   at::Device device_;
   const Backend* backend_;
   Plan plan_;
@@ -549,6 +579,7 @@ TORCH_LIBRARY(mjolnir, m) {
       .def("attend", &Step::attend_method)
       .def("num_items", &Step::num_items)
       .def("num_query_tiles", &Step::num_query_tiles)
+      .def("modes_for", &Step::modes_for)
       .def("workers", &Step::workers)
       .def("query_rows", &Step::query_rows);
   m.def(
