@@ -13,6 +13,7 @@ the layer's size) so that torch's OpenMP threads are as a real step leaves them;
 interleaved rounds. Needs the venv of scripts/vllm-check.sh (torch, vLLM, mjolnir installed).
 
   build-python/venv/bin/python scripts/vllm_op_bench.py [--json FILE]
+  build-python/venv/bin/python scripts/vllm_op_bench.py --prefill [--json FILE]   # a prompt
 """
 
 from __future__ import annotations
@@ -41,12 +42,93 @@ def timed(fn, calls: int, between: bool) -> float:
     return statistics.median(samples)
 
 
+def vllm_isa() -> str:
+    """The ISA vLLM's CPU backend picks for a bf16 model: its AMX kernels where the CPU has AMX
+    tiles (after asking Linux for them, as vLLM's worker does), else the vector ones."""
+    try:
+        if torch._C._cpu._is_amx_tile_supported():
+            torch._C._cpu._init_amx()
+            return "amx"
+    except (AttributeError, RuntimeError):
+        pass
+    return "vec"
+
+
+def prefill(lengths, rounds: int) -> list:
+    """One prompt's attention, all its tokens query tokens (one layer: Hq 32, Hk 8, D 128, bf16
+    cache, block 32), through vLLM's op and mjolnir's plan_step / attend (P fp32, and the modes
+    "auto" picks), interleaved rounds, median milliseconds."""
+    from vllm import _custom_ops as vllm_ops
+    hq, hk, d, block = 32, 8, 128, 32
+    isa = vllm_isa()
+    rows = []
+    for n in lengths:
+        blocks = (n + block - 1) // block
+        table = torch.arange(blocks, dtype=torch.int32).reshape(1, -1)
+        seq_lens = torch.tensor([n], dtype=torch.int32)
+        starts = torch.tensor([0, n], dtype=torch.int32)
+        q = torch.randn(n, hq, d, dtype=torch.bfloat16)
+        out = torch.empty(n, hq, d, dtype=torch.bfloat16)
+        theirs = torch.randn(blocks + 1, hk, block, 2 * d).to(torch.bfloat16)
+        kc, vc = theirs.view(blocks + 1, hk, 2 * block, d).chunk(2, dim=2)
+        sched = vllm_ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=1, num_heads=hq, num_kv_heads=hk, head_dim=d, seq_lens=seq_lens,
+            dtype=torch.bfloat16, query_start_loc=starts, causal=True, sliding_window_size=-1,
+            isa=isa, enable_kv_split=False, kv_cache_dtype="auto")
+        ours = torch.randn(blocks + 1, hk, block, 2 * d).to(torch.bfloat16)
+        view = ours.view(blocks + 1, hk, 2, block, d).permute(0, 1, 3, 2, 4)
+        one = torch.ones(1)
+        steps = {mode: torch.ops.mjolnir.plan_step(seq_lens, table, starts, 0, hq, hk,
+                                                   q_mode=mode, p_mode=mode)
+                 for mode in ("fp32", "auto")}
+        fns = {
+            f"vllm_{isa}_ms": lambda: vllm_ops.cpu_attention_with_kv_cache(
+                query=q, key_cache=kc, value_cache=vc, output=out, query_start_loc=starts,
+                seq_lens=seq_lens, scale=d ** -0.5, causal=True, alibi_slopes=None,
+                sliding_window=-1, block_table=table, softcap=0.0, scheduler_metadata=sched,
+                s_aux=None, dynamic_causal=None, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto"),
+            "mjolnir_fp32_ms": lambda: steps["fp32"].attend(out, q, view, one, one, "bf16",
+                                                            "BHN2D", d ** -0.5),
+            "mjolnir_auto_ms": lambda: steps["auto"].attend(out, q, view, one, one, "bf16",
+                                                            "BHN2D", d ** -0.5),
+        }
+        samples = {name: [] for name in fns}
+        for fn in fns.values():
+            fn()  # warm-up
+        for _ in range(rounds):
+            for name, fn in fns.items():
+                t0 = time.perf_counter()
+                fn()
+                samples[name].append((time.perf_counter() - t0) * 1e3)
+        row = {"kind": "prefill", "tokens": n, "auto_modes": steps["auto"].modes_for("bf16", d, True),
+               **{name: statistics.median(v) for name, v in samples.items()}}
+        rows.append(row)
+        print(f"prefill {n} tokens: " + ", ".join(
+            f"{name} {row[name]:.1f}" for name in fns) + f" (auto: {row['auto_modes']})",
+            flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--calls", type=int, default=400)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--prefill", action="store_true",
+                        help="time a prompt's attention (1024 and 4096 tokens) instead")
     args = parser.parse_args()
+    if args.prefill:
+        import mjolnir  # noqa: F401
+        from vllm.platforms import current_platform
+        current_platform.import_kernels()
+        rows = prefill((1024, 4096), args.rounds)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"machine": platform.processor() or platform.machine(),
+                           "torch_threads": torch.get_num_threads(),
+                           "shape": {"hq": 32, "hk": 8, "d": 128, "block": 32, "dtype": "bf16"},
+                           "rows": rows}, f, indent=1)
+        return
 
     import mjolnir  # noqa: F401
     from vllm import _custom_ops as vllm_ops

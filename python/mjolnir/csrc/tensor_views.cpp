@@ -84,13 +84,16 @@ bool direct_float_rows(const at::Tensor& t) {
   return t.scalar_type() == at::kFloat && (t.numel() == 0 || t.stride(-1) == 1);
 }
 
-// Scratch of more than this many floats is let go after the call (a prompt's rows), so that
-// a long prefill does not keep its buffers for the rest of the process.
-constexpr std::size_t kKeptScratchFloats = std::size_t(4) << 20;
+// Scratch of more than this many floats (64 MiB) is let go after the call, so that an unusually
+// long prompt does not keep its buffers for the rest of the process.
+constexpr std::size_t kKeptScratchFloats = std::size_t(16) << 20;
 
-float* scratch_rows(std::vector<float>& scratch, std::size_t floats) {
-  if (scratch.size() < floats) scratch.resize(floats);
-  return scratch.data();
+float* scratch_rows(FloatScratch& scratch, std::size_t floats) {
+  if (scratch.size < floats) {
+    scratch.data.reset(new float[floats]);  // default-initialized: not zero-filled
+    scratch.size = floats;
+  }
+  return scratch.data.get();
 }
 
 }  // namespace
@@ -106,7 +109,7 @@ std::span<const float> host_floats(const at::Tensor& t, std::string_view name, a
   return {keep.const_data_ptr<float>(), std::size_t(keep.numel())};
 }
 
-FloatRows float_rows_in(const at::Tensor& t, std::int64_t rows, std::vector<float>& scratch) {
+FloatRows float_rows_in(const at::Tensor& t, std::int64_t rows, FloatScratch& scratch) {
   FloatRows out;
   if (direct_float_rows(t)) {
     out.data = static_cast<float*>(t.data_ptr());
@@ -137,7 +140,7 @@ FloatRows float_rows_in(const at::Tensor& t, std::int64_t rows, std::vector<floa
   return out;
 }
 
-FloatRows float_rows_out(const at::Tensor& out, std::int64_t rows, std::vector<float>& scratch) {
+FloatRows float_rows_out(const at::Tensor& out, std::int64_t rows, FloatScratch& scratch) {
   FloatRows r;
   if (direct_float_rows(out)) {
     r.data = static_cast<float*>(out.data_ptr());
@@ -175,8 +178,8 @@ void finish_rows_out(const at::Tensor& out, std::int64_t count, const FloatRows&
   }
 }
 
-void release_scratch(std::vector<float>& scratch) {
-  if (scratch.size() > kKeptScratchFloats) std::vector<float>().swap(scratch);
+void release_scratch(FloatScratch& scratch) {
+  if (scratch.size > kKeptScratchFloats) scratch = FloatScratch();
 }
 
 std::string dtype_name(c10::ScalarType type) {

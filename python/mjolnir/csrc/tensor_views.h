@@ -6,6 +6,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string>
 #include <string_view>
@@ -53,18 +54,26 @@ at::Tensor host_int32(const at::Tensor& t, std::string_view name, int dims);
 // tensors convert by a loop, bf16 and fp16 rounding to nearest even; device tensors through
 // torch). No torch operator on the host path: at a decode step of a short context each costs
 // about what the kernel does.
+// Host float32 rows for conversions: grown as needed, never zero-filled (every float is written
+// before it is read), kept between calls up to a prompt's size.
+struct FloatScratch {
+  std::unique_ptr<float[]> data;
+  std::size_t size = 0;
+};
 struct FloatRows {
   float* data = nullptr;
   std::int64_t token_stride = 0, head_stride = 0;
   bool converted = false;
   at::Tensor device_copy;  // device tensors: the float32 copy that holds the rows
 };
-FloatRows float_rows_in(const at::Tensor& t, std::int64_t rows, std::vector<float>& scratch);
-FloatRows float_rows_out(const at::Tensor& out, std::int64_t rows, std::vector<float>& scratch);
+FloatRows float_rows_in(const at::Tensor& t, std::int64_t rows, FloatScratch& scratch);
+FloatRows float_rows_out(const at::Tensor& out, std::int64_t rows, FloatScratch& scratch);
 // Stores what the library wrote into `rows` back into `out`, when it went to scratch.
 void finish_rows_out(const at::Tensor& out, std::int64_t count, const FloatRows& rows);
-// Lets a prompt-sized scratch go after its call; a decode step's stays for the next.
-void release_scratch(std::vector<float>& scratch);
+// Lets scratch larger than a long prompt's rows go after its call (a prefill of 16k tokens of 8
+// heads x 128 channels stays: a serving engine runs one every step of a prompt, and a fresh
+// allocation costs its page faults each time).
+void release_scratch(FloatScratch& scratch);
 // Per-tensor scales etc.: float32 host values without a copy when they already are, else a
 // float32 host copy in `keep`.
 std::span<const float> host_floats(const at::Tensor& t, std::string_view name, at::Tensor& keep);

@@ -139,7 +139,7 @@ DecodeArgs decode_args(const KvCacheView& cache, const PagedBatch& batch,
 // The float32 rows of q and o a call hands the library when the tensors are not float32 (a
 // bf16 model's): per calling thread, kept between decode steps.
 struct RowScratch {
-  std::vector<float> q, o;
+  FloatScratch q, o;
   ~RowScratch() = default;
   void release() {
     release_scratch(q);
@@ -419,8 +419,10 @@ class Step final : public torch::CustomClassHolder {
     if (rows_ == 0) return;
     const CacheTensor cache =
         cache_tensor(kv_cache, kv_format, layout, int(head_dim), k_scale, v_scale);
-    // Only the step's rows: vLLM pads its query and output tensors past them.
-    RowScratch& scratch = row_scratch();
+    // Only the step's rows: vLLM pads its query and output tensors past them. The step keeps
+    // its conversion buffers for every layer (a prompt's rows are tens of MiB: allocating them
+    // per layer cost their page faults each time), and frees them with itself.
+    RowScratch& scratch = scratch_;
     const FloatRows q32 = float_rows_in(q, rows_, scratch.q);
     const FloatRows o32 = float_rows_out(output, rows_, scratch.o);
     DecodeParams params = params_;
@@ -449,7 +451,6 @@ class Step final : public torch::CustomClassHolder {
     }
     run_planned(*backend_, args, plan_, workspace, q.device());
     finish_rows_out(output, rows_, o32);
-    scratch.release();
   }
 
   // step.attend(...) from Python: the operator's work without its dispatch, which for an
@@ -493,6 +494,7 @@ class Step final : public torch::CustomClassHolder {
   std::int64_t rows_ = 0;
   std::unique_ptr<std::byte[]> workspace_;
   std::size_t workspace_capacity_ = 0;
+  RowScratch scratch_;  // q and o rows converted to float32, reused by every layer
 };
 
 c10::intrusive_ptr<Step> plan_step(const at::Tensor& seq_lens, const at::Tensor& block_table,
