@@ -1,16 +1,12 @@
-// Decode entry points shared by every backend: mode names, argument validation, the backend
-// registry and the one-off decode() convenience.
+// Decode entry points shared by every backend: mode names, argument validation and the one-off
+// decode() convenience. The backend registry is above the backends, in src/backends.cc: core
+// knows no backend.
 #include "mjolnir/decode.h"
 
 #include <cmath>
 #include <cstring>
 
-#include "cpu/cpu_backend.h"
-#if MJOLNIR_HAS_CUDA
-#include "cuda/cuda_backend.h"
-#endif
 #include "mjolnir/error.h"
-#include "reference/emulator_backend.h"
 
 namespace mjolnir {
 
@@ -198,36 +194,6 @@ std::size_t Backend::workspace_bytes(const Plan& plan, const CacheGeometry& geom
   const PartialLayout layout = partial_layout(geometry, params);
   const int slots = plan.partial_slots();
   return (layout.o_floats(slots) + layout.lse_floats(slots)) * sizeof(float);
-}
-
-std::vector<std::string> compiled_backends() {
-  std::vector<std::string> names{"cpu", "reference"};
-#if MJOLNIR_HAS_CUDA
-  names.insert(names.begin(), "cuda");  // device arguments: see src/cuda/cuda_backend.h
-#endif
-  return names;
-}
-
-std::unique_ptr<Backend> make_backend(std::string_view name, const BackendOptions& options) {
-  MJOLNIR_REQUIRE(options.threads >= 0 && options.threads <= kMaxCpuThreads,
-                  "options.threads: ", options.threads, " is outside [0, ", kMaxCpuThreads,
-                  "] (0 = every core)");
-  MJOLNIR_REQUIRE(options.threads == 0 || options.executor == nullptr,
-                  "options.threads: ", options.threads,
-                  " with an executor, whose workers are the threads (leave it 0)");
-  if (name == "cpu") return cpu::make_cpu_backend(options);
-  if (name == "reference") return reference::make_emulator_backend();
-#if MJOLNIR_HAS_CUDA
-  if (name == "cuda") return cuda::make_cuda_backend(options);
-  detail::throw_error("backend: '", name, "' is not one of cuda, cpu, reference");
-#else
-  if (name == "cuda") {
-    detail::throw_error(
-        "backend: 'cuda' is not in this build (configure with nvcc found and "
-        "MJOLNIR_CUDA=ON)");
-  }
-  detail::throw_error("backend: '", name, "' is not one of cpu, reference");
-#endif
 }
 
 void decode(const Backend& backend, const DecodeArgs& args, PlanOptions options) {

@@ -1,5 +1,6 @@
 // write_kv: quantize new K/V tokens into their cache slots, after checking every argument, so a
-// bad call writes nothing (DESIGN.md sections 3 "Cache write" and 7).
+// bad call writes nothing (include/mjolnir/write_kv.h). It lives with the CPU backend: the
+// rows are encoded by its SIMD row encoder (row_encoder.h), on the calling thread.
 #include "mjolnir/write_kv.h"
 
 #include <algorithm>

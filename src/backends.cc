@@ -1,0 +1,43 @@
+// The backend registry: the one place that knows every backend. It sits above them (core knows
+// none), so adding a backend touches this file and its own folder only.
+#include "cpu/cpu_backend.h"
+#if MJOLNIR_HAS_CUDA
+#include "cuda/cuda_backend.h"
+#endif
+#include "mjolnir/decode.h"
+#include "mjolnir/error.h"
+#include "reference/emulator_backend.h"
+
+namespace mjolnir {
+
+std::vector<std::string> compiled_backends() {
+  std::vector<std::string> names{"cpu", "reference"};
+#if MJOLNIR_HAS_CUDA
+  names.insert(names.begin(), "cuda");  // device arguments: see src/cuda/cuda_backend.h
+#endif
+  return names;
+}
+
+std::unique_ptr<Backend> make_backend(std::string_view name, const BackendOptions& options) {
+  MJOLNIR_REQUIRE(options.threads >= 0 && options.threads <= kMaxCpuThreads,
+                  "options.threads: ", options.threads, " is outside [0, ", kMaxCpuThreads,
+                  "] (0 = every core)");
+  MJOLNIR_REQUIRE(options.threads == 0 || options.executor == nullptr,
+                  "options.threads: ", options.threads,
+                  " with an executor, whose workers are the threads (leave it 0)");
+  if (name == "cpu") return cpu::make_cpu_backend(options);
+  if (name == "reference") return reference::make_emulator_backend();
+#if MJOLNIR_HAS_CUDA
+  if (name == "cuda") return cuda::make_cuda_backend(options);
+  detail::throw_error("backend: '", name, "' is not one of cuda, cpu, reference");
+#else
+  if (name == "cuda") {
+    detail::throw_error(
+        "backend: 'cuda' is not in this build (configure with nvcc found and "
+        "MJOLNIR_CUDA=ON)");
+  }
+  detail::throw_error("backend: '", name, "' is not one of cpu, reference");
+#endif
+}
+
+}  // namespace mjolnir
