@@ -1,4 +1,4 @@
-// The check behind every bad-input test (DESIGN.md section 7): the call throws mjolnir::Error
+// The check behind every bad-input test (docs/design.md section 7): the call throws mjolnir::Error
 // whose message starts with the argument it names and contains the detail that says what is wrong.
 #pragma once
 

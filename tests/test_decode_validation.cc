@@ -1,5 +1,5 @@
 // Bad input to decode(): every class gets an Error that names the argument, never a crash or
-// an out-of-bounds read (DESIGN.md section 7).
+// an out-of-bounds read (docs/design.md section 7).
 #include <gtest/gtest.h>
 
 #include <functional>

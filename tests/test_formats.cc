@@ -3,8 +3,8 @@
 // The codecs are checked bit for bit against CUDA's host-side conversions in cuda_fp8.h,
 // cuda_fp6.h, cuda_fp4.h, cuda_bf16.h and cuda_fp16.h, an implementation written independently
 // of ours. Those tests are skipped, saying why, when the headers were not found at configure time.
-// Row packing is checked against a bit-stream reader written here from DESIGN.md's formulas, and
-// against hand-worked bytes.
+// Row packing is checked against a bit-stream reader written here from the packing formulas of
+// docs/design.md section 3, and against hand-worked bytes.
 //
 // Random inputs are fresh each run; the seed is printed and recorded as a test property, and
 // MJOLNIR_TEST_SEED=<seed> replays a run.
@@ -296,7 +296,8 @@ TEST_P(ElementCodec, EveryCodeDecodesAsCuda) {
         << to_string(format) << " code " << hex(code) << ": ours " << describe(ours) << ", CUDA "
         << describe(expected);
   }
-  // The NaN encodings of DESIGN.md: none for fp6/fp4, S.1111.111 for e4m3, IEEE otherwise.
+  // The NaN encodings of docs/design.md section 3: none for fp6/fp4, S.1111.111 for e4m3, IEEE
+  // otherwise.
   const std::size_t expected_nan_codes[] = {2 * 127, 2 * 1023, 2, 2 * 3, 0, 0, 0, 0};
   EXPECT_EQ(nan_codes, expected_nan_codes[static_cast<int>(format)]);
 #endif
@@ -370,7 +371,8 @@ TEST_P(ElementCodec, DecodeThenEncodeIsIdentity) {
 // --- hand-checked values -------------------------------------------------------------------------
 
 TEST(FormatValues, HandCheckedCodes) {
-  // fp4 e2m1: bias 1, one mantissa bit; code 0..7 = 0, .5, 1, 1.5, 2, 3, 4, 6 (DESIGN.md).
+  // fp4 e2m1: bias 1, one mantissa bit; code 0..7 = 0, .5, 1, 1.5, 2, 3, 4, 6 (docs/design.md
+  // section 3).
   const float e2m1_values[] = {0, 0.5f, 1, 1.5f, 2, 3, 4, 6};
   for (std::uint32_t code = 0; code < 8; ++code) {
     EXPECT_EQ(decode_element(Format::fp4_e2m1, code), e2m1_values[code]);
@@ -468,8 +470,9 @@ TEST(FormatNames, BadNameNamesTheArgumentAndListsValidNames) {
 // --- packing -----------------------------------------------------------------------------------
 
 // Reads `width` bits at bit `offset` of a little-endian bit stream (bit k of the row is bit k % 8
-// of byte k / 8). DESIGN.md's packings are all this stream: fp6 c0 | c1<<6 | c2<<12 | c3<<18
-// over three little-endian bytes, fp4 channel 2i in the low nibble, 16-bit codes little-endian.
+// of byte k / 8). The packings of docs/design.md section 3 are all this stream: fp6 c0 | c1<<6 |
+// c2<<12 | c3<<18 over three little-endian bytes, fp4 channel 2i in the low nibble, 16-bit codes
+// little-endian.
 std::uint32_t read_bits(std::span<const std::byte> row, std::size_t offset, int width) {
   std::uint32_t value = 0;
   for (int bit = 0; bit < width; ++bit) {
@@ -557,8 +560,8 @@ class RowPacking : public ::testing::TestWithParam<PackingCase> {};
 INSTANTIATE_TEST_SUITE_P(AllFormatsAndHeadDims, RowPacking,
                          ::testing::ValuesIn(all_packing_cases()), packing_case_name);
 
-// encode_row writes exactly the codes the reference codec gives, where DESIGN.md says, and
-// decode_row reads them back; nothing outside the spans is touched.
+// encode_row writes exactly the codes the reference codec gives, where docs/design.md section 3
+// says, and decode_row reads them back; nothing outside the spans is touched.
 TEST_P(RowPacking, RoundTripMatchesElementCodec) {
   const auto [format, head_dim] = GetParam();
   std::mt19937_64 rng = seeded_rng();
@@ -578,7 +581,8 @@ TEST_P(RowPacking, RoundTripMatchesElementCodec) {
       float scale = 1.0f;
       float scaled_value = values[c];
       if (format == Format::nvfp4) {
-        // Block scale from DESIGN.md: e4m3(amax / 6), the smallest subnormal if that is 0.
+        // Block scale from docs/design.md section 3: e4m3(amax / 6), the smallest subnormal if that
+        // is 0.
         const std::size_t block = c / kNvfp4BlockSize;
         float amax = 0;
         for (std::size_t i = 0; i < static_cast<std::size_t>(kNvfp4BlockSize); ++i) {

@@ -70,9 +70,9 @@ Measurement measure_host_backend(const Backend& backend, const verify::ProblemSp
                                  std::size_t working_set_bytes, std::size_t memory_limit_bytes);
 
 // Relative L2 error of the backend's output against the fp64 exact reference on the original
-// float K/V (DESIGN.md section 4: the accuracy of the format and mode together), for one sequence
-// of `spec` (the first seq_len, capped at 32k tokens so the check stays quick). The backend must
-// support the configuration and take host arguments.
+// float K/V (docs/design.md section 4: the accuracy of the format and mode together), for one
+// sequence of `spec` (the first seq_len, capped at 32k tokens so the check stays quick). The
+// backend must support the configuration and take host arguments.
 double error_vs_exact(const Backend& backend, verify::ProblemSpec spec,
                       const PlanOptions& plan_options);
 

@@ -1,4 +1,5 @@
-// The paged KV cache as a view: format, geometry, layout strides, scales (DESIGN.md section 3).
+// The paged KV cache as a view: format, geometry, layout strides, scales (docs/design.md section
+// 3).
 #pragma once
 
 #include <cstddef>

@@ -15,7 +15,7 @@
 
 namespace mjolnir {
 
-// How Q enters the QK product (DESIGN.md section 4, step 1). fp8 quantizes dynamically per
+// How Q enters the QK product (docs/design.md section 4, step 1). fp8 quantizes dynamically per
 // (sequence, KV head): sq = amax / 448 over the group's g * q_len rows.
 enum class QMode : std::uint8_t { fp32, bf16, fp8 };
 // How P enters the PV product (step 4). fp8 is e4m3(p * 256), the 256 folded into 1 / l.

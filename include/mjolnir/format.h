@@ -1,4 +1,5 @@
-// KV cache element formats (DESIGN.md section 3): codes, packing of one token row, conversions.
+// KV cache element formats (docs/design.md section 3): codes, packing of one token row,
+// conversions.
 #pragma once
 
 #include <cstddef>

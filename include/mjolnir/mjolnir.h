@@ -106,7 +106,7 @@ MJOLNIR_API const char* mjolnir_version_string(void);
 
 /* ---- formats, layouts, scales --------------------------------------------------------------- */
 
-/* KV cache element formats (DESIGN.md section 3). Pinned values. */
+/* KV cache element formats (docs/design.md section 3). Pinned values. */
 typedef enum mjolnir_format {
   MJOLNIR_FORMAT_BF16 = 0,
   MJOLNIR_FORMAT_FP16 = 1,
@@ -285,7 +285,7 @@ typedef enum mjolnir_p_mode {
   MJOLNIR_P_FP8 = 2 /* e4m3(p * 256), the 256 folded into 1 / l */
 } mjolnir_p_mode;
 
-/* The numerics of a step (DESIGN.md section 4). */
+/* The numerics of a step (docs/design.md section 4). */
 typedef struct mjolnir_decode_params {
   size_t size;         /* sizeof(mjolnir_decode_params) */
   int32_t q_len;       /* query tokens per sequence, 1..8 */

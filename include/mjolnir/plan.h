@@ -1,4 +1,4 @@
-// The plan: decode work cut into items that fill the device in one wave (DESIGN.md section 5).
+// The plan: decode work cut into items that fill the device in one wave (docs/design.md section 5).
 #pragma once
 
 #include <cstdint>

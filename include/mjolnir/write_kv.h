@@ -1,4 +1,4 @@
-// Cache writes: quantize new K/V tokens into their slots (DESIGN.md section 3, "Cache write").
+// Cache writes: quantize new K/V tokens into their slots (docs/design.md section 3, "Cache write").
 #pragma once
 
 #include <cstdint>

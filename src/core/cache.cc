@@ -1,5 +1,5 @@
 // The paged KV cache: layout names and dense strides, scale granularities, and the validation of
-// cache views and block tables (DESIGN.md sections 3 and 7).
+// cache views and block tables (docs/design.md sections 3 and 7).
 #include "mjolnir/cache.h"
 
 #include <algorithm>

@@ -1,5 +1,5 @@
 // Static scales: reduce recorded amax to scales, and read / write the versioned JSON scales file
-// (DESIGN.md section 3 "Calibration", section 7 for the errors).
+// (docs/design.md section 3 "Calibration", section 7 for the errors).
 #include "mjolnir/calibrate.h"
 
 #include <algorithm>

@@ -1,5 +1,5 @@
 // KV cache element formats: names, sizes, the scalar codecs and the packing of one token row
-// (DESIGN.md section 3). The bit-level conversions live in core/minifloat.h.
+// (docs/design.md section 3). The bit-level conversions live in core/minifloat.h.
 #include "mjolnir/format.h"
 
 #include <algorithm>

@@ -1,5 +1,5 @@
-// One descriptor for every small float format the KV cache stores (DESIGN.md section 3) and the
-// scalar encode/decode over it. Header-inline and constexpr so the CPU, SIMD and CUDA paths can
+// One descriptor for every small float format the KV cache stores (docs/design.md section 3) and
+// the scalar encode/decode over it. Header-inline and constexpr so the CPU, SIMD and CUDA paths can
 // all reuse these exact definitions; format.cc dispatches a runtime Format onto them.
 #pragma once
 
@@ -86,7 +86,7 @@ struct MinifloatSpec {
   }
 };
 
-// The formats of DESIGN.md section 3 (OCP 8-bit FP and MX specifications; IEEE 754 binary16;
+// The formats of docs/design.md section 3 (OCP 8-bit FP and MX specifications; IEEE 754 binary16;
 // bfloat16 is the top half of a binary32).
 inline constexpr MinifloatSpec kBf16Spec{8, 7, 127, NonFiniteEncoding::ieee};
 inline constexpr MinifloatSpec kFp16Spec{5, 10, 15, NonFiniteEncoding::ieee};

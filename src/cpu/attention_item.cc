@@ -1,4 +1,4 @@
-// Portable CPU path of the numerics contract (DESIGN.md section 4) for one work item.
+// Portable CPU path of the numerics contract (docs/design.md section 4) for one work item.
 //
 // The loops are arranged for the hardware: a tile of T tokens is decoded to fp32 once, then
 // scored against every query row of the group, so each KV byte is read once per step.

@@ -1,4 +1,4 @@
-// Vectorized 2^x for the online softmax (DESIGN.md section 4, step 3). Per-target header, see
+// Vectorized 2^x for the online softmax (docs/design.md section 4, step 3). Per-target header, see
 // kv_decode-inl.h.
 //
 // Two versions, chosen by the P mode (docs/cpu-performance.md, "exp2 and the emulator"):

@@ -1,4 +1,4 @@
-// SIMD decoders of packed KV rows (DESIGN.md section 3) into fp32, one per format, for the CPU
+// SIMD decoders of packed KV rows (docs/design.md section 3) into fp32, one per format, for the CPU
 // kernels. Per-target header (Highway "-inl" convention): included once per foreach_target pass.
 //
 // A decoder turns the codes of a row into fp32 vectors in registers, with as few instructions as

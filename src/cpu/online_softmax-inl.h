@@ -1,5 +1,5 @@
-// The online softmax of one tile (DESIGN.md section 4, steps 3 and 4), vectorized over the tile's
-// tokens, for the CPU kernel (attention_kernel.cc). Per-target header, see kv_decode-inl.h.
+// The online softmax of one tile (docs/design.md section 4, steps 3 and 4), vectorized over the
+// tile's tokens, for the CPU kernel (attention_kernel.cc). Per-target header, see kv_decode-inl.h.
 
 #if defined(MJOLNIR_CPU_ONLINE_SOFTMAX_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef MJOLNIR_CPU_ONLINE_SOFTMAX_INL_H_

@@ -1,5 +1,5 @@
-// The SIMD targets the src/cpu kernels are compiled for, pinned instead of every attainable one
-// (STYLE.md): x86-64 AVX3_DL and AVX3 (AVX-512), AVX2 (with FMA, F16C, BMI2) and SSE4; Arm NEON and
+// The SIMD targets the src/cpu kernels are compiled for, pinned instead of every attainable one:
+// x86-64 AVX3_DL and AVX3 (AVX-512), AVX2 (with FMA, F16C, BMI2) and SSE4; Arm NEON and
 // SVE; and Highway's portable fallback (SCALAR, or EMU128 on compilers where it works), which runs
 // the scalar portable path (cpu/attention_item.h) rather than emulated vectors.
 //

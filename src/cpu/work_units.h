@@ -1,6 +1,6 @@
 // How the CPU backend runs a plan: its work items grouped into units for the thread pool.
 //
-// The plan cuts a step into items of one KV head each (DESIGN.md section 5). On the CPU the
+// The plan cuts a step into items of one KV head each (docs/design.md section 5). On the CPU the
 // items of all KV heads of one chunk (same sequence, token range and split) run as one unit,
 // tile by tile, so each tile reads whole pages of the cache: contiguous memory in every layout,
 // which streams at the machine's read bandwidth, where one head's rows alone are scattered at

@@ -1,5 +1,5 @@
-// The emulator: the numerics contract (DESIGN.md section 4) in plain scalar code, following the
-// same plan a kernel ran, so every rounding step (Q codes, P codes) is reproduced exactly and
+// The emulator: the numerics contract (docs/design.md section 4) in plain scalar code, following
+// the same plan a kernel ran, so every rounding step (Q codes, P codes) is reproduced exactly and
 // only the order of fp32 accumulation may differ from a backend. It is the oracle backends are
 // tested against; it is written for clarity, not speed.
 #pragma once

@@ -1,4 +1,4 @@
-// The generated case matrix (DESIGN.md, STYLE.md "a test case is a value"): one generator feeds
+// The generated case matrix (docs/design.md; a test case is a value): one generator feeds
 // the tests, `mjolnir verify` and the error bounds, every case named by all its fields and seed.
 #pragma once
 
