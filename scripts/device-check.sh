@@ -132,9 +132,11 @@ import torch
 import torch.nn.functional as F
 out_path, cuda_path = sys.argv[1], sys.argv[2]
 dev = torch.device("cuda")
-copy_gbps = None
+copy_gbps = read_gbps = None
 if os.path.exists(cuda_path):
-    copy_gbps = json.load(open(cuda_path))["machine"]["copy_bandwidth_gbps"]
+    machine = json.load(open(cuda_path))["machine"]
+    copy_gbps, read_gbps = machine["copy_bandwidth_gbps"], machine.get("read_bandwidth_gbps")
+reference_gbps = read_gbps or copy_gbps  # fractions of the read-only bandwidth where measured
 def timed(fn, iters=20):
     for _ in range(3):
         fn()
@@ -153,7 +155,7 @@ def record(backend, fmt, batch, ctx, q_len, hq, hk, d, us, kv_bytes):
                         hk=hk, d=d, page=16, layout="dense" if "sdpa" in backend else "NHD",
                         granularity="tensor", q_mode="bf16", p_mode="fp32", median_us=us, runs=20,
                         kv_bytes=kv_bytes, working_set_bytes=kv_bytes, copies=1, gbps=gbps,
-                        bandwidth_fraction=(gbps / copy_gbps) if copy_gbps else None,
+                        bandwidth_fraction=(gbps / reference_gbps) if reference_gbps else None,
                         rel_error_vs_exact=None))
     print(f"{backend:22s} {fmt:9s} b{batch:<3d} ctx {ctx:6d} q {q_len} hq {hq} d {d}: "
           f"{us:10.1f} us {gbps:8.1f} GB/s", flush=True)
@@ -199,7 +201,8 @@ try:
                 print(f"flashinfer {name} b{batch} ctx {ctx}: failed: {e}", flush=True)
 except ImportError as e:
     print(f"flashinfer: not importable here ({e}); carry the flashinfer-python wheel to run it")
-json.dump({"machine": {"gpu": torch.cuda.get_device_name(), "copy_bandwidth_gbps": copy_gbps},
+json.dump({"machine": {"gpu": torch.cuda.get_device_name(), "copy_bandwidth_gbps": copy_gbps,
+                       "read_bandwidth_gbps": read_gbps},
            "results": results}, open(out_path, "w"), indent=2)
 PY
 note "baselines status $?"
@@ -263,7 +266,7 @@ note "python: ${python_line:-no summary} ($(grep "^python status" "$out/ctest.lo
   nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader 2>&1 | head -1
   echo "tests: $tests_line"
   echo "python (CUDA tensors): ${python_line:-no summary}"
-  echo "cuda decode (graph replay) vs the measured copy bandwidth:"
+  echo "cuda decode (graph replay) vs the measured read-only and copy bandwidths:"
   grep -E "^(device:|format |bf16 |fp16 |fp8_|fp6_|fp4_|nvfp4 )" "$out/bench.log" | head -40
   echo "baselines:"
   grep -E "^(torch_sdpa|flashinfer)" "$out/bench.log" | head -12

@@ -67,6 +67,19 @@ void launch_fill(Format format, const FillParams& p, std::int64_t rows) {
   MJOLNIR_CUDA_CHECK(cudaGetLastError());
 }
 
+// Reads `count` 16-byte vectors once (grid-stride, 16-byte loads that skip L1, as the decode
+// kernels' cache loads do) and folds them into one word per thread, which is written only when
+// impossible, so the loads are not dead code and the kernel writes nothing in practice.
+__global__ void read_kernel(const uint4* data, std::size_t count, unsigned* sink) {
+  unsigned acc = 0;
+  const std::size_t stride = std::size_t(gridDim.x) * blockDim.x;
+  for (std::size_t i = std::size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += stride) {
+    const uint4 v = __ldcs(data + i);
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (acc == 0x9E3779B9u) sink[0] = acc;  // the fill pattern never folds to this
+}
+
 __global__ void exp2_kernel(const float* x, float* y, int n, bool correctly_rounded) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i < n) y[i] = correctly_rounded ? exp2_rn(x[i]) : exp2f(x[i]);
@@ -136,6 +149,30 @@ double copy_bandwidth_gbps(std::size_t bytes, int repeats) {
     MJOLNIR_CUDA_CHECK(cudaEventSynchronize(events.end));
     gbps.push_back(2.0 * double(bytes) / (events.elapsed_ms() * 1e-3) / 1e9);
   }
+  return median(gbps);
+}
+
+double read_bandwidth_gbps(std::size_t bytes, int repeats) {
+  bytes &= ~std::size_t{15};
+  DeviceMemory src(bytes), sink(sizeof(unsigned));
+  MJOLNIR_CUDA_CHECK(cudaMemset(src.data, 0x3C, bytes));  // not zeros: see METHOD.md
+  const auto* data = reinterpret_cast<const uint4*>(src.data);
+  auto* out = reinterpret_cast<unsigned*>(sink.data);
+  const std::size_t count = bytes / 16;
+  // Enough resident threads to keep every SM's loads in flight: 8 CTAs of 256 per SM.
+  const unsigned grid = static_cast<unsigned>(8 * current_attribute(cudaDevAttrMultiProcessorCount));
+  read_kernel<<<grid, 256>>>(data, count, out);  // warm-up
+  MJOLNIR_CUDA_CHECK(cudaGetLastError());
+  Events events;
+  std::vector<double> gbps;
+  for (int i = 0; i < repeats; ++i) {
+    MJOLNIR_CUDA_CHECK(cudaEventRecord(events.begin));
+    read_kernel<<<grid, 256>>>(data, count, out);
+    MJOLNIR_CUDA_CHECK(cudaEventRecord(events.end));
+    MJOLNIR_CUDA_CHECK(cudaEventSynchronize(events.end));
+    gbps.push_back(double(bytes) / (events.elapsed_ms() * 1e-3) / 1e9);
+  }
+  MJOLNIR_CUDA_CHECK(cudaGetLastError());
   return median(gbps);
 }
 

@@ -63,6 +63,11 @@ BenchResult bench_decode(const BenchSpec& spec);
 // copies of `bytes`.
 double copy_bandwidth_gbps(std::size_t bytes = std::size_t{2} << 30, int repeats = 10);
 
+// Read-only bandwidth of the current device: a kernel that streams `bytes` once with 16-byte
+// loads and writes nothing, the median of `repeats` runs. The ceiling a decode step (which only
+// reads its cache) is held to; a copy's read + write rate understates it (docs/cuda.md).
+double read_bandwidth_gbps(std::size_t bytes = std::size_t{4} << 30, int repeats = 10);
+
 // The name of the current device ("NVIDIA H200").
 std::string device_name();
 
