@@ -15,7 +15,10 @@
 # Environment: OUT (default ./device-check-out), MJOLNIR_CUDA_ARCH (default 90a-real),
 # MJOLNIR_BUILD_DIR (default build-device),
 # MJOLNIR_JOBS (default nproc), MJOLNIR_CHECK_BUDGET_S (default 470), MJOLNIR_CUDA_CASE_EVERY
-# (1 in N cases of the full matrix; default 1 = all), MJOLNIR_CUDA_BENCH_SET (full | short).
+# (1 in N cases of the full matrix; default 1 = all), MJOLNIR_CUDA_BENCH_SET (full | short),
+# MJOLNIR_CHECK_STAGES: "all" (default: tests bench baselines sanitizer cli python) or a comma list
+# of those and "splits" (mjolnir bench --backend cuda over caps on chunks per sequence), so that
+# a rerun in the same lease repeats only what failed.
 # See docs/cuda.md.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
@@ -40,6 +43,10 @@ start=$(date +%s)
 export PATH="/usr/local/cuda/bin:$PATH"
 export PYTHONUNBUFFERED=1
 export MJOLNIR_TEST_SEED=${MJOLNIR_TEST_SEED:-20251130}
+
+stages=${MJOLNIR_CHECK_STAGES:-all}
+# Whether stage $1 runs: named in MJOLNIR_CHECK_STAGES, or "all" and not an opt-in stage.
+wants() { [[ ",$stages," == *",$1,"* ]] || { [[ $stages == all && $1 != splits ]]; }; }
 
 summary=$out/summary.txt
 : >"$summary"
@@ -77,8 +84,9 @@ if compgen -G "$deps_dir/debs/*.deb" >/dev/null; then
   prefix_args=(-DCMAKE_PREFIX_PATH="$deps_dir/root/usr")
   note "using the carried dependencies in build-deps/"
 fi
-note "configure + build for $arch with -j$jobs"
 build_status=0
+if wants tests || wants bench || wants sanitizer || wants cli || wants splits; then
+note "configure + build for $arch with -j$jobs"
 {
   staged 120 300 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
     -DMJOLNIR_CUDA=ON -DMJOLNIR_CUDA_ARCHITECTURES="$arch" -DCMAKE_CUDA_FLAGS="-Xptxas=-v" \
@@ -95,11 +103,15 @@ if ((build_status != 0)); then
   exit 1
 fi
 note "built"
+fi
 # The resource use of the decode kernels (registers, stack, spills), from ptxas -v, for the record.
 grep -A3 "entry function.*decode_kernel" "$out/build.log" | grep -E "registers|stack frame" |
   sort | uniq -c | head -6 >>"$summary"
 
+test_status=0
+tests_line="not run"
 # --- 2. GPU tests ------------------------------------------------------------------------------
+if wants tests; then
 note "GPU tests (ctest -L gpu -j $jobs)"
 staged 180 150 ctest --test-dir "$build" -L gpu -j "$jobs" --timeout 180 --output-on-failure \
   >"$out/ctest.log" 2>&1
@@ -109,7 +121,10 @@ tests_line="${tests_line:-no summary}; $(grep -c "(Skipped)" "$out/ctest.log") o
 note "tests: $tests_line (status $test_status)"
 grep -h "\[ cuda     \]" "$out/ctest.log" | sort | uniq | head -12 >>"$summary"
 
+fi
+
 # --- 3. benchmark: the CUDA decode against the copy bandwidth ---------------------------------
+if wants bench; then
 note "benchmark table (cuda)"
 MJOLNIR_CUDA_BENCH_JSON=$out/bench-cuda.json \
   staged 150 90 "$build/tests/test_cuda_bench" --gtest_filter=CudaBench.Table \
@@ -124,7 +139,10 @@ MJOLNIR_CUDA_MMA_LAYOUT=plain MJOLNIR_CUDA_BENCH_SET=short \
   >>"$out/bench.log" 2>&1
 note "plain-layout bench status $?"
 
+fi
+
 # --- 4. PyTorch SDPA over the same shapes, K/V dequantized to bf16 (and FlashInfer if present) --
+if wants baselines; then
 note "baselines (torch SDPA bf16; FlashInfer if importable)"
 staged 70 50 python3 - "$out/bench-torch.json" "$out/bench-cuda.json" >>"$out/bench.log" 2>&1 <<'PY'
 import json, math, os, sys, time
@@ -207,7 +225,10 @@ json.dump({"machine": {"gpu": torch.cuda.get_device_name(), "copy_bandwidth_gbps
 PY
 note "baselines status $?"
 
+fi
+
 # --- 5. compute-sanitizer on a subset ---------------------------------------------------------
+if wants sanitizer; then
 note "compute-sanitizer memcheck + racecheck on a subset"
 {
   echo "== memcheck: quick matrix 1 in 12, the graph test, write_kv"
@@ -224,8 +245,10 @@ note "compute-sanitizer memcheck + racecheck on a subset"
 } >"$out/sanitizer.log" 2>&1
 grep -E "status|ERROR SUMMARY|RACECHECK SUMMARY|skipped" "$out/sanitizer.log" >>"$summary"
 
+fi
+
 # --- 6. the CLI (its --backend cuda needs device buffers: see docs/cuda.md) ---------------------
-if [[ -x "$build/tools/mjolnir" ]]; then
+if wants cli && [[ -x "$build/tools/mjolnir" ]]; then
   {
     echo "== mjolnir info"
     staged 20 10 "$build/tools/mjolnir" info
@@ -237,13 +260,38 @@ if [[ -x "$build/tools/mjolnir" ]]; then
   grep -E "^bench status|GPU 0" "$out/bench.log" | tail -2 >>"$summary"
 fi
 
+# --- 6b. the cap on chunks per sequence (max_splits), swept where the plan's default may miss ---
+# batch 1 (where splitting is all the parallelism there is) and batch 16 at 8k (few tokens per
+# chunk): the rows the table misses its targets on. Opt-in: MJOLNIR_CHECK_STAGES=...,splits.
+if wants splits && [[ -x "$build/tools/mjolnir" ]]; then
+  note "chunks per sequence swept (mjolnir bench --backend cuda --max-splits N)"
+  {
+    for shape in "1 32768 fp8_e4m3" "1 8192 fp8_e4m3" "1 131072 fp8_e4m3" "16 8192 fp8_e4m3" \
+      "1 32768 fp4_e2m1"; do
+      read -r batch context format <<<"$shape"
+      for splits in 0 8 16 24 32 48 64 96; do
+        ((batch > 1 && splits > 32)) && continue
+        echo "== splits $splits batch $batch context $context $format"
+        staged 20 60 "$build/tools/mjolnir" bench --backend cuda --format "$format" \
+          --batch "$batch" --context "$context" --max-splits "$splits" --iterations 50 |
+          grep -E "^$format"
+      done
+    done
+  } >"$out/splits.log" 2>&1
+  note "splits: $(grep -c "^fp" "$out/splits.log") rows in splits.log"
+fi
+
 # --- 7. the Python ops on the GPU ---------------------------------------------------------------
 # The package built with its CUDA backend for this GPU (the image has scikit-build-core, nanobind
 # and pytest; no build isolation, so nothing is fetched), installed into the build folder, then
 # python/tests/test_cuda_ops.py: decode and write_kv on CUDA tensors against the reference and
 # the CPU backend. Its log goes into ctest.log ($OUT takes 8 files).
+if wants python; then
 note "python: the package with its CUDA backend, then test_cuda_ops.py"
 py_site=$build/python-site
+# The extension links the carried Highway (libhwy.so.1), which the loader must find there.
+deps_lib=$deps_dir/root/usr/lib/x86_64-linux-gnu
+[[ -d $deps_lib ]] && export LD_LIBRARY_PATH="$deps_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 {
   echo
   echo "== python: pip install with MJOLNIR_PYTHON_CUDA=ON for $arch"
@@ -258,6 +306,7 @@ py_site=$build/python-site
 python_line=$(sed -n '/^== python:/,$p' "$out/ctest.log" | grep -E " passed| failed| skipped|rror" |
   tail -1)
 note "python: ${python_line:-no summary} ($(grep "^python status" "$out/ctest.log" | tail -1))"
+fi
 
 # --- the short table ---------------------------------------------------------------------------
 {
