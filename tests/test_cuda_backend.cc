@@ -216,6 +216,33 @@ double rel_l2(const std::vector<float>& got, std::span<const float> want) {
   return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
 }
 
+// A plan made as mjolnir::decode() and the Python ops make it (capacity_for: exactly the
+// partial slots of the split sequences) for a step where some sequences split and some do not:
+// the workspace workspace_bytes() sizes is all run() uses. The Python ops' first run on an
+// H200 (2026-12-04) failed here: run() laid the partials out for max_seqs x max_splits slots.
+TEST(CudaBackend, RunsAPlanWithExactlyItsPartialSlots) {
+  MJOLNIR_SKIP_WITHOUT_GPU();
+  verify::ProblemSpec spec = small_spec(testing::test_seed());
+  spec.seq_lens = {700, 9, 1500, 33};
+  verify::Problem on_gpu(spec), emulated(spec);
+  PlanOptions options;
+  options.max_splits = 4;
+  options.tile_tokens = 128;
+  const StepShape shape = on_gpu.args().step_shape();
+  Plan plan(capacity_for(shape, options));
+  make_plan(plan, shape, options);
+  ASSERT_LT(plan.partial_slots(), plan.capacity.max_seqs * plan.capacity.max_splits)
+      << "the step must mix split and unsplit sequences";
+  const auto staging = cuda::make_staging_backend({});
+  staging->run(on_gpu.args(), plan, {});
+  const auto emulator = reference::make_emulator_backend();
+  std::vector<std::byte> workspace(
+      emulator->workspace_bytes(plan, on_gpu.cache().geometry, on_gpu.args().params));
+  emulator->run(emulated.args(), plan, workspace);
+  const std::span<const float> got = on_gpu.output(), want = emulated.output();
+  EXPECT_LT(rel_l2(std::vector<float>(got.begin(), got.end()), want), 1e-5);
+}
+
 // One graph, captured once, replayed for steps with other sequence lengths, padding, page
 // orders, split counts and tile sizes (all within the capacity), the pool rewritten between
 // steps as serving does. Each replay is checked against the emulator running the same plan, and

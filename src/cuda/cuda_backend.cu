@@ -24,6 +24,15 @@ namespace {
 // tensor-core body was measured with 8 only).
 constexpr int kPlannedCtasPerSm = 8;
 
+// CTAs of the tensor-core body resident on an SM at once (168 registers a thread for fp8 at
+// D 128: three CTAs of 128 threads), PlanOptions::wave_workers. A step of one to three sequences
+// is cut into chunks that fit one wave of them: on an H200 (2026-12-04, fp8, Hk 8, batch 1) a
+// cap of 48 chunks took 39.5 us at 32k tokens and 90 us at 128k, where 64 took 52.6 and 126 us
+// and the fill rule of `workers` (128 chunks) 67 and 131 us
+// (bench/results/cuda-splits-2026-12-04-h200.json; fp4 the same shape). Batches of 2 and 3 follow
+// the same rule unmeasured.
+constexpr int kResidentCtasPerSm = 3;
+
 // The step buffers the synchronous run() reuses, grown when a call needs more.
 bool covers(const StepCapacity& have, const StepCapacity& need) {
   return have.plan.max_seqs >= need.plan.max_seqs &&
@@ -65,6 +74,7 @@ class CudaBackend final : public Backend {
     try {
       const DeviceLimits limits = current_device_limits();
       workers_ = std::max(1, limits.multiprocessors * kPlannedCtasPerSm);
+      wave_workers_ = std::max(1, limits.multiprocessors * kResidentCtasPerSm);
     } catch (const Error& e) {
       unavailable_ = std::string("no usable CUDA device: ") + e.what();
     }
@@ -78,6 +88,7 @@ class CudaBackend final : public Backend {
     return cuda::unsupported_reason(geometry, params, PlanOptions{}.tile_tokens);
   }
   int workers() const override { return workers_; }
+  int wave_workers() const override { return wave_workers_; }
 
   void run(const DecodeArgs& args, const Plan& plan,
            std::span<std::byte> workspace) const override {
@@ -121,7 +132,10 @@ class CudaBackend final : public Backend {
     shape.decode_ctas = plan.num_items;
     shape.merge_ctas = plan.num_seqs * plan.q_len * args.params.num_q_heads;  // one per query row
     shape.score_tokens = plan.tile_tokens;
-    shape.partial_slots = std::size_t(plan.capacity.max_seqs) * plan.capacity.max_splits;
+    // The plan's own slots, which workspace_bytes() sized: capacity_for() reserves exactly the
+    // partials of the step's split sequences, fewer than max_seqs x max_splits when some
+    // sequences are not split (the Python ops failed on exactly that on an H200, 2026-12-04).
+    shape.partial_slots = std::size_t(plan.partial_slots());
     launch_decode(args, DeviceScales{scales, scales + count}, step_->device_data(), workspace,
                   shape, stream);
     MJOLNIR_CUDA_CHECK(cudaStreamSynchronize(stream));
@@ -130,6 +144,7 @@ class CudaBackend final : public Backend {
  private:
   std::string unavailable_;
   int workers_ = 1;
+  int wave_workers_ = 0;
   mutable std::mutex mutex_;  // run() reuses the step and scale buffers: one call at a time
   mutable std::unique_ptr<DecodeStep> step_;
   mutable DeviceBuffer scales_;
@@ -195,6 +210,7 @@ class StagingBackend final : public Backend {
     return device_->unsupported_reason(geometry, params);
   }
   int workers() const override { return device_->workers(); }
+  int wave_workers() const override { return device_->wave_workers(); }
   std::size_t workspace_bytes(const Plan&, const CacheGeometry&,
                               const DecodeParams&) const override {
     return 0;  // the device workspace is this adapter's own
