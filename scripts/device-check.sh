@@ -266,14 +266,15 @@ fi
 if wants splits && [[ -x "$build/tools/mjolnir" ]]; then
   note "chunks per sequence swept (mjolnir bench --backend cuda --max-splits N)"
   {
-    for shape in "1 32768 fp8_e4m3" "1 8192 fp8_e4m3" "1 131072 fp8_e4m3" "16 8192 fp8_e4m3" \
-      "1 32768 fp4_e2m1"; do
-      read -r batch context format <<<"$shape"
+    for shape in "1 32768 fp8_e4m3" "2 32768 fp8_e4m3" "4 32768 fp8_e4m3" "1 131072 fp8_e4m3" \
+      "1 32768 fp4_e2m1" "1 32768 fp8_e4m3 --head-dim 256"; do
+      read -r batch context format extra <<<"$shape"
       for splits in 0 8 16 24 32 48 64 96; do
-        ((batch > 1 && splits > 32)) && continue
-        echo "== splits $splits batch $batch context $context $format"
+        ((batch > 4 && splits > 32)) && continue
+        echo "== splits $splits batch $batch context $context $format $extra"
+        # shellcheck disable=SC2086 # $extra: further bench flags, split on purpose
         staged 20 60 "$build/tools/mjolnir" bench --backend cuda --format "$format" \
-          --batch "$batch" --context "$context" --max-splits "$splits" --iterations 50 |
+          --batch "$batch" --context "$context" --max-splits "$splits" --iterations 50 $extra |
           grep -E "^$format"
       done
     done
