@@ -158,9 +158,45 @@ TEST(Plan, MaxSplitsToFillOneWave) {
   EXPECT_THROW(max_splits_to_fill(8, 1, 0), Error);
 }
 
+// A GPU's resident CTAs (wave_workers, 132 SMs x 3 on an H200) bound the chunks of a step of
+// one to three sequences: they fit one wave (a second, partial wave cost as much as the first
+// there); larger steps keep the fill rule of `workers`, which plans several waves.
+TEST(Plan, WaveWorkersFitFewSequencesInOneWave) {
+  const int hk = 8;
+  PlanOptions options;
+  options.workers = 132 * 8;
+  options.wave_workers = 132 * 3;
+  options.max_splits = 0;
+  EXPECT_EQ(effective_max_splits(options, 1, hk), 49);  // floor(396 / 8)
+  EXPECT_EQ(effective_max_splits(options, 2, hk), 24);
+  EXPECT_EQ(effective_max_splits(options, 3, hk), 16);
+  EXPECT_EQ(effective_max_splits(options, 4, hk), 33);  // 12 < 16: the fill rule, ceil(1056 / 32)
+  EXPECT_EQ(effective_max_splits(options, 64, hk), 16);
+  EXPECT_EQ(effective_max_splits(options, 0, hk), 49);  // an empty batch plans like one sequence
+  PlanOptions no_wave = options;
+  no_wave.wave_workers = 0;
+  EXPECT_EQ(effective_max_splits(no_wave, 1, hk), 132);
+  options.max_splits = 40;
+  EXPECT_EQ(effective_max_splits(options, 1, hk), 40);  // a cap that was given stays
+  options.max_splits = 0;
+
+  const std::vector<std::int32_t> lens{32768};
+  const StepShape shape{.seq_lens = lens, .q_len = 1, .num_kv_heads = hk};
+  Plan plan(capacity_for(shape, options));
+  make_plan(plan, shape, options);
+  PlanOptions resolved = options;
+  resolved.max_splits = effective_max_splits(options, 1, hk);
+  expect_exact_cover(plan, lens, hk, resolved);
+  EXPECT_LE(plan.num_items, options.wave_workers);
+  EXPECT_GE(plan.num_items, options.wave_workers * 9 / 10);
+
+  options.wave_workers = -1;
+  EXPECT_THROW(make_plan(plan, shape, options), Error);
+}
+
 // A ragged step (prefill, chunked prefill and decodes in one batch): every query token of
-// every sequence is in exactly one query tile of at most kQueryTileTokens tokens, in order, and each
-// tile's items cover, once per KV head, exactly the KV tokens its last query token may see.
+// every sequence is in exactly one query tile of at most kQueryTileTokens tokens, in order, and
+// each tile's items cover, once per KV head, exactly the KV tokens its last query token may see.
 TEST(Plan, RaggedStepsCoverEveryQueryTokenAndWhatItSees) {
   std::mt19937_64 rng(testing::test_seed() + 11);
   for (int trial = 0; trial < 300; ++trial) {

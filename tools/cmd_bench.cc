@@ -508,6 +508,7 @@ int run_bench(const BenchOptions& options) {
 
   PlanOptions plan_options;
   plan_options.workers = backend->workers();
+  plan_options.wave_workers = backend->wave_workers();
   TimingOptions timing;
   timing.iterations = options.iterations;
   timing.min_time_s = options.min_time_s;

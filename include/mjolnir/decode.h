@@ -155,6 +155,10 @@ class Backend {
   }
   // Capacity to plan for (PlanOptions::workers).
   virtual int workers() const = 0;
+  // Work items that run at once, when fewer than workers() (PlanOptions::wave_workers; 0: all
+  // of them). A GPU plans several waves of CTAs at large batches but its resident CTAs bound
+  // how many chunks one short batch should be cut into.
+  virtual int wave_workers() const { return 0; }
   // Workspace run() needs for a plan of this capacity (split partials and scratch).
   virtual std::size_t workspace_bytes(const Plan& plan, const CacheGeometry& geometry,
                                       const DecodeParams& params) const;
@@ -201,8 +205,8 @@ std::vector<std::string> compiled_backends();
 
 // Convenience for one-off calls: validates, plans with the backend's capacity, allocates the
 // workspace and runs. options.max_splits 0 plans as many chunks as fill the backend's workers
-// (max_splits_to_fill; a GPU at batch 1 needs about a hundred). Serving loops keep a Plan and
-// workspace and call run() themselves.
+// (effective_max_splits; a GPU at batch 1 as many as fit one wave of its resident CTAs). Serving
+// loops keep a Plan and workspace and call run() themselves.
 void decode(const Backend& backend, const DecodeArgs& args, PlanOptions options = {});
 
 }  // namespace mjolnir

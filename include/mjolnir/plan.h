@@ -44,7 +44,10 @@ struct QueryTile {
 };
 
 struct PlanOptions {
-  int workers = 1;             // device capacity: CPU threads, or GPU SMs x CTAs per SM
+  int workers = 1;  // device capacity: CPU threads, or GPU SMs x CTAs per SM
+  // Work items that run at once (a GPU's resident CTAs), when fewer than workers; 0: workers.
+  // max_splits 0 then cuts a step of few sequences into chunks that fit one wave of them.
+  int wave_workers = 0;
   int max_splits = 16;         // cap on chunks per sequence; 0: max_splits_to_fill (below)
   int tile_tokens = 64;        // T of the online softmax; chunk bounds are multiples of it
   int min_chunk_tokens = 256;  // a sequence is not cut into chunks shorter than this
@@ -143,8 +146,11 @@ int query_tiles_needed(std::span<const std::int32_t> query_start);
 int max_splits_to_fill(int workers, int num_seqs, int num_kv_heads);
 
 // The cap on chunks per sequence that make_plan applies (before the plan's capacity):
-// options.max_splits, or max_splits_to_fill(options.workers, ...) when it is 0. Size a
-// PlanCapacity with it to let a max_splits of 0 take effect.
+// options.max_splits; when it is 0, max_splits_to_fill(options.workers, ...), except that with
+// options.wave_workers set and floor(wave_workers / (num_seqs * Hk)) at least the default 16,
+// it is that: the chunks of a step of few sequences fit one wave of resident CTAs, since a
+// second, partial wave costs about as much as the first (docs/cuda.md). Size a PlanCapacity with
+// it to let a max_splits of 0 take effect.
 int effective_max_splits(const PlanOptions& options, int num_seqs, int num_kv_heads);
 
 // Where split partials live in a backend's workspace: for slot s, KV head h, query row r of the

@@ -283,6 +283,7 @@ MJOLNIR_API mjolnir_status mjolnir_plan_update(mjolnir_plan* plan, const int32_t
     PlanOptions options;
     options.workers =
         p.options[MJOLNIR_PLAN_WORKERS] > 0 ? p.options[MJOLNIR_PLAN_WORKERS] : b.impl->workers();
+    if (p.options[MJOLNIR_PLAN_WORKERS] <= 0) options.wave_workers = b.impl->wave_workers();
     options.max_splits = p.options[MJOLNIR_PLAN_MAX_SPLITS];
     options.tile_tokens = p.options[MJOLNIR_PLAN_TILE_TOKENS];
     options.min_chunk_tokens = p.options[MJOLNIR_PLAN_MIN_CHUNK_TOKENS];

@@ -64,6 +64,13 @@ void validate(const DecodeArgs& args) {
   MJOLNIR_REQUIRE(p.num_q_heads >= 1 && p.num_q_heads % geo.num_kv_heads == 0,
                   "num_q_heads: ", p.num_q_heads, " is not a positive multiple of num_kv_heads ",
                   geo.num_kv_heads);
+  // Enums that arrive by cast (a C++ caller's, or a binding's) are checked like every option.
+  MJOLNIR_REQUIRE(static_cast<int>(p.q_mode) <= static_cast<int>(QMode::fp8),
+                  "params.q_mode: ", static_cast<int>(p.q_mode),
+                  " is not a Q mode (fp32 0, bf16 1, fp8 2)");
+  MJOLNIR_REQUIRE(static_cast<int>(p.p_mode) <= static_cast<int>(PMode::fp8),
+                  "params.p_mode: ", static_cast<int>(p.p_mode),
+                  " is not a P mode (fp32 0, bf16 1, fp8 2)");
   MJOLNIR_REQUIRE(std::isfinite(p.softmax_scale) && p.softmax_scale >= 0,
                   "softmax_scale: ", p.softmax_scale, " must be finite and >= 0 (0 = 1/sqrt(D))");
   validate(args.batch, geo, p.q_len);  // q_len, and query_start for a ragged step
@@ -201,6 +208,7 @@ void decode(const Backend& backend, const DecodeArgs& args, PlanOptions options)
   const std::string why = backend.unsupported_reason(args.cache.geometry, args.params);
   MJOLNIR_REQUIRE(why.empty(), "backend ", backend.name(), ": ", why);
   options.workers = backend.workers();
+  options.wave_workers = backend.wave_workers();
   const StepShape step = args.step_shape();
   // One call, one workspace sized for this plan alone: a max_splits of 0 gets as many chunks as
   // fill the device, and fixed_splits beyond max_splits get their way.

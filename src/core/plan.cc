@@ -57,6 +57,8 @@ void check_step(const StepShape& step, const PlanOptions& options) {
                   " must be at least 1");
   MJOLNIR_REQUIRE(options.workers >= 1, "plan options.workers: ", options.workers,
                   " must be at least 1");
+  MJOLNIR_REQUIRE(options.wave_workers >= 0, "plan options.wave_workers: ", options.wave_workers,
+                  " is negative (0: workers)");
   MJOLNIR_REQUIRE(options.tile_tokens >= 1 && options.tile_tokens <= 1024,
                   "plan options.tile_tokens: ", options.tile_tokens, " is outside [1, 1024]");
   MJOLNIR_REQUIRE(options.max_splits >= 0, "plan options.max_splits: ", options.max_splits,
@@ -231,8 +233,14 @@ int max_splits_to_fill(int workers, int num_seqs, int num_kv_heads) {
 
 int effective_max_splits(const PlanOptions& options, int num_seqs, int num_kv_heads) {
   // Only 0 is replaced: make_plan still rejects a negative cap, naming it.
-  return options.max_splits != 0 ? options.max_splits
-                                 : max_splits_to_fill(options.workers, num_seqs, num_kv_heads);
+  if (options.max_splits != 0) return options.max_splits;
+  const int fill = max_splits_to_fill(options.workers, num_seqs, num_kv_heads);
+  if (options.wave_workers <= 0) return fill;
+  // A step of so few sequences that one wave of resident CTAs holds 16 chunks of each: cut it
+  // into as many chunks as fit that wave. Larger steps plan several waves of `workers`.
+  const std::int64_t pairs = std::int64_t(std::max(num_seqs, 1)) * num_kv_heads;
+  const std::int64_t one_wave = options.wave_workers / pairs;
+  return one_wave >= PlanOptions{}.max_splits ? int(std::min<std::int64_t>(one_wave, fill)) : fill;
 }
 
 }  // namespace mjolnir

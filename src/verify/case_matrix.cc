@@ -182,6 +182,7 @@ CaseResult run_case(const Case& c, const Backend& backend) {
     validate(args);
     PlanOptions options;
     options.workers = backend.workers();
+    options.wave_workers = backend.wave_workers();
     options.fixed_splits = c.splits;
     options.max_splits = std::max(1, c.splits);
     options.tile_tokens = c.tile_tokens;

@@ -237,6 +237,7 @@ void decode_step(at::Tensor& output, const at::Tensor& q, const at::Tensor& kv_c
   });
   PlanOptions options;
   options.workers = backend.workers();
+  options.wave_workers = backend.wave_workers();
   options.max_splits = int(max_splits);
   const StepShape shape = args.step_shape();
   Plan plan = with_op_errors([&] {
@@ -376,6 +377,7 @@ class Step final : public torch::CustomClassHolder {
                           causal};
     PlanOptions options;
     options.workers = backend_->workers();
+    options.wave_workers = backend_->wave_workers();
     options.max_splits = int(max_splits);
     plan_ = with_op_errors([&] {
       const int cap = effective_max_splits(options, shape.num_seqs(), shape.num_kv_heads);
@@ -487,7 +489,7 @@ class Step final : public torch::CustomClassHolder {
   PagedBatch batch_;
   DecodeParams params_;
   bool q_auto_ = false, p_auto_ = false;  // "auto": Backend::auto_modes per layer
-  int max_tile_rows_ = 0;                  // the most query rows of one query tile
+  int max_tile_rows_ = 0;                 // the most query rows of one query tile
   at::Device device_;
   const Backend* backend_;
   Plan plan_;
