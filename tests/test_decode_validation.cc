@@ -146,6 +146,30 @@ TEST(DecodeValidation, BadSoftmaxScale) {
       "softmax_scale");
 }
 
+// Enums that arrive by cast from a C++ caller are checked like any option (the C API and the
+// bindings parse names; a cast skips that).
+TEST(DecodeValidation, ModesOutOfRange) {
+  expect_rejected([](DecodeArgs& a) { a.params.q_mode = static_cast<QMode>(7); }, "q_mode");
+  expect_rejected([](DecodeArgs& a) { a.params.p_mode = static_cast<PMode>(3); }, "p_mode");
+  expect_rejected([](DecodeArgs& a) { a.cache.granularity = static_cast<ScaleGranularity>(9); },
+                  "granularity");
+  expect_rejected([](DecodeArgs& a) { a.cache.geometry.format = static_cast<Format>(200); },
+                  "format");
+}
+
+// decode()'s plan options follow make_plan's rules: a negative cap on chunks is an error naming
+// it, not a cap of one.
+TEST(DecodeValidation, NegativeMaxSplits) {
+  verify::Problem problem(small_spec());
+  for (const char* backend : {"cpu", "reference"}) {
+    SCOPED_TRACE(backend);
+    PlanOptions options;
+    options.max_splits = -1;
+    testing::expect_error([&] { decode(*make_backend(backend), problem.args(), options); },
+                          "plan options.max_splits", "negative");
+  }
+}
+
 // The step a plan is made for, which the tests below change from the one that runs.
 struct PlannedStep {
   std::vector<std::int32_t> seq_lens;
