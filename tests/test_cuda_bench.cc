@@ -162,7 +162,9 @@ TEST(CudaBench, Table) {
     });
   }
   const nlohmann::ordered_json document = {
-      {"machine", {{"gpu", device}, {"copy_bandwidth_gbps", copy},
+      {"machine",
+       {{"gpu", device},
+        {"copy_bandwidth_gbps", copy},
         {"read_bandwidth_gbps", read},
         {"bandwidth_reference", "read"},
         {"date", today()}}},
