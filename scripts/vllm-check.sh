@@ -39,5 +39,5 @@ fi
 
 cd python/tests
 MJOLNIR_VLLM_E2E=1 "$python" -m pytest -q -p no:cacheprovider "$@" \
-  test_vllm_plugin.py test_vllm_e2e.py
+  test_vllm_plugin.py test_vllm_gpu_backend.py test_vllm_e2e.py
 echo "vllm-check: done in $((SECONDS - start)) s"

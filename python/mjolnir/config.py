@@ -78,6 +78,20 @@ def _mode(env: Mapping[str, str], name: str, default: str) -> str:
     return value
 
 
+# The vLLM GPU backends the GPU backend can subclass (MJOLNIR_ATTN_GPU_BASE).
+GPU_BASES = ("flash_attn", "flashinfer")
+
+
+def _choice(env: Mapping[str, str], name: str, choices, default: str) -> str:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    value = raw.strip().lower()
+    if value not in choices:
+        raise ValueError(f"{name}: '{raw}' is not one of {', '.join(choices)}")
+    return value
+
+
 @dataclass(frozen=True)
 class AttnConfig:
     """The plugin's settings. Defaults are those of an empty environment."""
@@ -93,6 +107,10 @@ class AttnConfig:
     kv_format: str = ""  # MJOLNIR_ATTN_KV_FORMAT: the cache's format, "" = vLLM's kv_cache_dtype
     kv_scales: str = ""  # MJOLNIR_ATTN_KV_SCALES: a scales file (python -m mjolnir.calibrate)
     kv_calibrate: str = ""  # MJOLNIR_ATTN_KV_CALIBRATE: record amax to this file (1: the default)
+    # GPU backend only (vllm_gpu_backend.py): the vLLM backend it subclasses and falls back to,
+    # flash_attn | flashinfer, and the longest uniform query of a decode step it runs (1-8).
+    gpu_base: str = "flash_attn"  # MJOLNIR_ATTN_GPU_BASE
+    max_qlen: int = 1  # MJOLNIR_ATTN_MAX_QLEN
 
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "AttnConfig":
@@ -107,6 +125,8 @@ class AttnConfig:
             kv_format=_format(env, "MJOLNIR_ATTN_KV_FORMAT"),
             kv_scales=_path(env, "MJOLNIR_ATTN_KV_SCALES"),
             kv_calibrate=_path(env, "MJOLNIR_ATTN_KV_CALIBRATE", DEFAULT_AMAX_FILE),
+            gpu_base=_choice(env, "MJOLNIR_ATTN_GPU_BASE", GPU_BASES, "flash_attn"),
+            max_qlen=_int(env, "MJOLNIR_ATTN_MAX_QLEN", 1, 1, 8),
         )
 
 
@@ -121,4 +141,6 @@ ENV_VARS = (
     "MJOLNIR_ATTN_KV_FORMAT",
     "MJOLNIR_ATTN_KV_SCALES",
     "MJOLNIR_ATTN_KV_CALIBRATE",
+    "MJOLNIR_ATTN_GPU_BASE",
+    "MJOLNIR_ATTN_MAX_QLEN",
 )

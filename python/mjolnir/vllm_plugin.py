@@ -21,6 +21,7 @@ from .config import AttnConfig
 logger = logging.getLogger("vllm.mjolnir")
 
 BACKEND_PATH = "mjolnir.vllm_backend.MjolnirCPUAttentionBackend"
+GPU_BACKEND_PATH = "mjolnir.vllm_gpu_backend.MjolnirGpuAttentionBackend"
 
 
 def register() -> bool:
@@ -40,10 +41,10 @@ def register() -> bool:
         logger.warning("mjolnir: this vLLM has no attention backend registry (%s); not "
                        "registered", e)
         return False
+    if current_platform.is_cuda():
+        return _register_gpu(config, AttentionBackendEnum, register_backend)
     if not current_platform.is_cpu():
-        # The CUDA backend of mjolnir is reachable through torch.ops.mjolnir, but no vLLM GPU
-        # attention backend wraps it yet.
-        logger.info("mjolnir: vLLM platform is %s, not CPU; not registered",
+        logger.info("mjolnir: vLLM platform is %s, neither CPU nor CUDA; not registered",
                     current_platform.device_type)
         return False
     register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)
@@ -52,6 +53,28 @@ def register() -> bool:
     # vLLM loads plugins before it sets up logging, so this line may not show; the metadata
     # builder logs again, once the engine's logging is up, which layers run on mjolnir.
     logger.info("mjolnir: CPU_ATTN -> %s (%s)", BACKEND_PATH, config)
+    return True
+
+
+def _register_gpu(config: AttnConfig, backends, register_backend) -> bool:
+    """On CUDA platforms: mjolnir's GPU backend (decode steps on mjolnir, the rest vLLM's
+    FlashAttention or FlashInfer, MJOLNIR_ATTN_GPU_BASE) as AttentionBackendEnum.CUSTOM and as a
+    new MJOLNIR member, which a user selects (attention_backend="MJOLNIR"); vLLM's default
+    backend is left alone."""
+    from . import has_cuda
+
+    if not has_cuda:
+        logger.warning("mjolnir: vLLM runs on CUDA but this build of mjolnir has no CUDA backend "
+                       "(reinstall with MJOLNIR_PYTHON_CUDA=ON); not registered")
+        return False
+    if config.kv_format:
+        logger.warning("mjolnir: MJOLNIR_ATTN_KV_FORMAT=%s is for the CPU backend; on GPUs the "
+                       "cache keeps vLLM's kv_cache_dtype", config.kv_format)
+    register_backend(backends.CUSTOM, GPU_BACKEND_PATH)
+    if "MJOLNIR" not in backends.__members__:
+        register_backend("MJOLNIR", GPU_BACKEND_PATH)
+    logger.info("mjolnir: CUSTOM and MJOLNIR -> %s (decode steps on mjolnir, the rest on "
+                "vLLM's %s; %s)", GPU_BACKEND_PATH, config.gpu_base, config)
     return True
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import mjolnir
-from _reference import FORMATS, LAYOUTS
+from _reference import FORMATS, LAYOUTS, attention
 from test_ops import GRANULARITIES, Problem, rel_err
 
 
@@ -109,3 +109,44 @@ def test_cuda_tensors_on_mixed_devices_are_rejected(gen):
     with pytest.raises(ValueError, match="kv_cache: on cpu, but key is on cuda"):
         torch.ops.mjolnir.write_kv(p.k.cuda(), p.v.cuda(), p.kv_cache, p.slots.cuda(),
                                    p.k_scale, p.v_scale, p.fmt, p.layout)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3"])
+def test_cuda_plan_once_over_a_vllm_gpu_cache(gen, fmt):
+    """What the vLLM GPU backend (mjolnir/vllm_gpu_backend.py) does each decode step, without
+    vLLM (no GPU machine has it): vLLM 0.32's logical [blocks, Hk, block_size, 2 * D] cache
+    over a permuted physical allocation, read in place as BHN2D, one plan_step for the step
+    and one Step.attend per layer on CUDA tensors, against the float64 reference."""
+    hk, group, d, block = 2, 4, 128, 16
+    seq_lens = [300, 17, 1000]
+    pages = [(n + block - 1) // block for n in seq_lens]
+    num_blocks = sum(pages) + 5
+    order = torch.randperm(num_blocks, generator=gen)[:sum(pages)].to(torch.int32)
+    table = torch.zeros(len(seq_lens), max(pages), dtype=torch.int32)
+    at = 0
+    for i, p in enumerate(pages):
+        table[i, :p] = order[at:at + p]
+        at += p
+    k_scale, v_scale = (0.03, 0.02) if fmt != "bf16" else (1.0, 1.0)
+    step = torch.ops.mjolnir.plan_step(torch.tensor(seq_lens, dtype=torch.int32), table, None,
+                                       1, hk * group, hk, True, "fp32", "fp32", 0, 0, "cuda")
+    for layer in range(2):
+        values = torch.randn(num_blocks, block, hk, 2 * d, generator=gen)
+        if fmt == "bf16":
+            physical = values.to(torch.bfloat16)
+            k_pages, v_pages = physical[..., :d].double(), physical[..., d:].double()
+        else:
+            codes = torch.cat([values[..., :d] / k_scale, values[..., d:] / v_scale], -1)
+            physical = codes.to(torch.float8_e4m3fn).view(torch.uint8)
+            f = physical.view(torch.float8_e4m3fn).double()
+            k_pages, v_pages = f[..., :d] * k_scale, f[..., d:] * v_scale
+        cache = physical.cuda().permute(0, 2, 1, 3)  # logical [blocks, Hk, block, 2D], NHD
+        q = torch.randn(len(seq_lens), hk * group, d, generator=gen)
+        out = torch.full((len(seq_lens), hk * group, d), float("nan"), device="cuda",
+                         dtype=torch.bfloat16)
+        step.attend(out, q.cuda().to(torch.bfloat16), cache.unflatten(-1, (2, d)),
+                    torch.tensor([k_scale]), torch.tensor([v_scale]), fmt, "BHN2D", d ** -0.5)
+        ref = attention(q.to(torch.bfloat16).float(), k_pages, v_pages, table,
+                        torch.tensor(seq_lens, dtype=torch.int32), 1)
+        err = rel_err(out.float().cpu(), ref)
+        assert err < 1e-2, f"{fmt} layer {layer}: relative error {err:.3g}"

@@ -1,0 +1,248 @@
+"""mjolnir as a vLLM GPU attention backend (imports vLLM; registered by vllm_plugin.register()
+under AttentionBackendEnum.CUSTOM and a new MJOLNIR member on CUDA platforms). Written against
+vLLM 0.32's vllm.v1.attention.backends.flash_attn (and .flashinfer).
+
+The backend is vLLM's FlashAttention backend (MJOLNIR_ATTN_GPU_BASE=flashinfer: FlashInfer's)
+with one thing changed: **decode-only steps** of the layers it qualifies run on mjolnir's CUDA
+decode. Everything else is inherited: the cache's allocation and layout, the cache write, prefill
+and mixed steps, validation, and every layer that does not qualify (which logs why once).
+
+- The cache stays vLLM's and is read in place. vLLM 0.32 hands a layer a logical
+  [num_blocks, Hk, block_size, 2 * head_size] tensor (a token's K row then its V row; the
+  physical order of the first three dimensions is its KV cache layout's, visible in the strides);
+  split into [blocks, Hk, block_size, 2, head_size] it is mjolnir's "BHN2D" with vLLM's strides.
+- A step qualifies when every request has the same number of query tokens, at most
+  MJOLNIR_ATTN_MAX_QLEN (1 by default: plain decode; more for a drafter's verification), after
+  any trailing padding requests with none. The metadata builder plans such a step once
+  (torch.ops.mjolnir.plan_step on the "cuda" backend) and every layer runs that plan.
+- fp8 caches take vLLM's per-tensor k/v scales (the layer's floats), bf16 / fp16 caches 1.
+
+What this first version does not do, and says so: it copies the step's sequence lengths and
+block table to the host once per step to plan (one synchronisation a step), and each layer's
+call waits for torch's stream and for its own kernels, so it declares no CUDA-graph support
+(vLLM then runs attention eagerly between its graph pieces). It has not run inside vLLM on a GPU:
+no GPU machine here has vLLM (docs/vllm.md).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch
+from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
+
+from . import _ext, ops  # noqa: F401  (registers torch.ops.mjolnir)
+from .config import AttnConfig
+
+logger = logging.getLogger("vllm.mjolnir")
+
+LAYOUT = "BHN2D"
+# vLLM cache dtype names -> mjolnir formats; "auto" holds the model's dtype.
+_KV_DTYPE_FORMAT = {"fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
+_MODEL_FORMAT = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def _base_classes(name: str):
+    """vLLM's backend, metadata builder and impl classes that MJOLNIR_ATTN_GPU_BASE names."""
+    if name == "flashinfer":
+        from vllm.v1.attention.backends import flashinfer as module
+        return module.FlashInferBackend, module.FlashInferMetadataBuilder, module.FlashInferImpl
+    from vllm.v1.attention.backends import flash_attn as module
+    return (module.FlashAttentionBackend, module.FlashAttentionMetadataBuilder,
+            module.FlashAttentionImpl)
+
+
+_CONFIG = AttnConfig.from_env()
+_Backend, _Builder, _Impl = _base_classes(_CONFIG.gpu_base)
+
+
+def layer_format(kv_cache_dtype: str, model_dtype: torch.dtype) -> Optional[str]:
+    """The mjolnir format of a layer's vLLM cache, or None when mjolnir has no such format."""
+    if kv_cache_dtype in ("auto", "bfloat16", "float16"):
+        if kv_cache_dtype == "bfloat16":
+            return "bf16"
+        if kv_cache_dtype == "float16":
+            return "fp16"
+        return _MODEL_FORMAT.get(model_dtype)
+    return _KV_DTYPE_FORMAT.get(kv_cache_dtype)
+
+
+def cache_view(kv_cache: torch.Tensor, head_size: int) -> torch.Tensor:
+    """vLLM's [blocks, Hk, block_size, 2 * head_size] cache as mjolnir's 5-D BHN2D view, in
+    place, with vLLM's strides."""
+    return kv_cache.unflatten(-1, (2, head_size))
+
+
+def uniform_query_len(query_start_loc_cpu: torch.Tensor, num_reqs: int,
+                      max_qlen: int) -> tuple[Optional[int], int, str]:
+    """(q_len, requests, why) of a step: the query tokens every request has and how many
+    requests have them, trailing requests with none left out; q_len None and the reason when
+    the step is not a uniform decode step of at most max_qlen tokens."""
+    lens = (query_start_loc_cpu[1:num_reqs + 1] - query_start_loc_cpu[:num_reqs]).tolist()
+    while lens and lens[-1] == 0:
+        lens.pop()
+    if not lens:
+        return None, 0, "no query tokens"
+    q_len = lens[0]
+    if any(n != q_len for n in lens):
+        return None, 0, f"query lengths differ ({min(lens)}-{max(lens)}): a prefill or mixed step"
+    if q_len > max_qlen:
+        return None, 0, f"{q_len} query tokens per request, over MJOLNIR_ATTN_MAX_QLEN {max_qlen}"
+    return q_len, len(lens), ""
+
+
+class MjolnirGpuAttentionBackend(_Backend):
+    """vLLM's GPU attention backend (FlashAttention, or FlashInfer) with decode-only steps on
+    mjolnir's CUDA decode."""
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"
+
+    @staticmethod
+    def get_impl_cls():
+        return MjolnirGpuAttentionImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return MjolnirGpuMetadataBuilder
+
+
+class MjolnirGpuMetadataBuilder(_Builder):
+    """vLLM's metadata builder, plus the step's mjolnir plan when the step qualifies."""
+
+    # Each layer's call synchronises (see the module's docstring): nothing to capture.
+    _cudagraph_support = AttentionCGSupport.NEVER
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
+        return AttentionCGSupport.NEVER
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
+        meta = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        step, why = plan_decode_step(common_attn_metadata, self._mjolnir_heads(),
+                                     _CONFIG, common_prefix_len)
+        meta.mjolnir_step = step  # type: ignore[attr-defined]
+        meta.mjolnir_skip = why  # type: ignore[attr-defined]
+        return meta
+
+    def _mjolnir_heads(self) -> tuple[int, int]:
+        heads = self.__dict__.get("_mjolnir_heads_cache")
+        if heads is None:
+            config = self.vllm_config.model_config
+            parallel = self.vllm_config.parallel_config
+            heads = (config.get_num_attention_heads(parallel), config.get_num_kv_heads(parallel))
+            self.__dict__["_mjolnir_heads_cache"] = heads
+        return heads
+
+
+def plan_decode_step(common, heads: tuple[int, int], config: AttnConfig,
+                     common_prefix_len: int = 0, backend: str = "cuda"):
+    """(the step's plan, "") from vLLM's CommonAttentionMetadata when it is a uniform decode
+    step mjolnir runs, else (None, why). Its sequence lengths and block table are copied to the
+    host here, once per step."""
+    if common_prefix_len:
+        return None, "cascade attention (a common prefix)"
+    causal = common.causal
+    if isinstance(causal, torch.Tensor):
+        return None, "per-request causality"
+    q_len, num_reqs, why = uniform_query_len(common.query_start_loc_cpu, common.num_reqs,
+                                             config.max_qlen)
+    if q_len is None:
+        return None, why
+    seq_lens = common.seq_lens[:num_reqs].to("cpu", torch.int32)
+    block_table = common.block_table_tensor[:num_reqs].to("cpu", torch.int32)
+    num_heads, num_kv_heads = heads
+    step = torch.ops.mjolnir.plan_step(seq_lens, block_table, None, q_len, num_heads,
+                                       num_kv_heads, bool(causal), config.q_dtype,
+                                       config.p_dtype, 0, 0, backend)
+    return step, ""
+
+
+class MjolnirGpuAttentionImpl(_Impl):
+    """vLLM's impl; decode-only steps of a qualifying layer on mjolnir."""
+
+    mjolnir_steps = 0  # layer calls mjolnir ran (for tests and logs)
+    fallback_steps = 0  # layer calls of mjolnir's layers left to the base backend
+    _logged: set = set()
+
+    def owner_reason(self, kv_cache: torch.Tensor) -> Optional[str]:
+        """None when mjolnir may run this layer's decode steps; else why not. Depends only on
+        the layer and its cache tensor."""
+        if self.attn_type != AttentionType.DECODER:
+            return f"attention type {self.attn_type}"
+        for what, present in (("ALiBi", getattr(self, "alibi_slopes", None) is not None),
+                              ("sliding window", getattr(self, "sliding_window", None)
+                               not in (None, -1, (-1, -1))),
+                              ("logits soft-cap", bool(getattr(self, "logits_soft_cap", 0))),
+                              ("attention sinks", getattr(self, "sinks", None) is not None)):
+            if present:
+                return what
+        if self.head_size not in (64, 128, 256):
+            return f"head size {self.head_size} (the CUDA decode takes 64, 128, 256)"
+        model_dtype = kv_cache.dtype if kv_cache.dtype in _MODEL_FORMAT else None
+        fmt = layer_format(self.kv_cache_dtype, model_dtype)
+        if fmt is None:
+            return f"KV cache dtype {self.kv_cache_dtype} / {kv_cache.dtype}"
+        if kv_cache.dim() != 4 or kv_cache.shape[-1] != 2 * self.head_size \
+                or kv_cache.stride(-1) != 1:
+            return (f"cache shape {tuple(kv_cache.shape)}, strides {kv_cache.stride()}: not "
+                    f"[blocks, Hk, block_size, {2 * self.head_size}] with contiguous rows")
+        block_size = kv_cache.shape[2]
+        if block_size < 8 or block_size > 256 or block_size & (block_size - 1):
+            return f"block size {block_size}"
+        return None
+
+    def _layer_state(self, layer, kv_cache: torch.Tensor) -> Optional[dict[str, Any]]:
+        """This layer's mjolnir state for this cache tensor (format, view, host scales), or None
+        when the layer stays the base backend's; worked out once per cache tensor."""
+        key = (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.dtype)
+        state = self.__dict__.get("_mjolnir_state")
+        if state is not None and state["key"] == key:
+            return state if state["owned"] else None
+        reason = self.owner_reason(kv_cache)
+        state = {"key": key, "owned": reason is None}
+        if reason is not None:
+            if reason not in self._logged:
+                self._logged.add(reason)
+                logger.info("mjolnir: a layer stays on vLLM's %s: %s", _CONFIG.gpu_base,
+                            reason)
+        else:
+            model_dtype = kv_cache.dtype if kv_cache.dtype in _MODEL_FORMAT else None
+            state["format"] = layer_format(self.kv_cache_dtype, model_dtype)
+            state["view"] = cache_view(kv_cache, self.head_size)
+        self.__dict__["_mjolnir_state"] = state
+        return state if state["owned"] else None
+
+    def _scales(self, layer, fmt: str):
+        """Host float32 tensors of the layer's K and V scales: vLLM's per-tensor floats for
+        fp8, 1 otherwise; remade only when vLLM's values change."""
+        values = (1.0, 1.0) if fmt in ("bf16", "fp16") else (
+            float(getattr(layer, "_k_scale_float", 1.0)),
+            float(getattr(layer, "_v_scale_float", 1.0)))
+        cached = self.__dict__.get("_mjolnir_scales")
+        if cached is None or cached[0] != values:
+            cached = (values, torch.tensor([values[0]]), torch.tensor([values[1]]))
+            self.__dict__["_mjolnir_scales"] = cached
+        return cached[1], cached[2]
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                output_scale=None, output_block_scale=None):
+        step = getattr(attn_metadata, "mjolnir_step", None)
+        state = None
+        if step is not None and output_scale is None and output_block_scale is None:
+            state = self._layer_state(layer, kv_cache)
+        if state is None:
+            if step is not None or getattr(attn_metadata, "mjolnir_skip", ""):
+                type(self).fallback_steps += 1
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                                   output_scale, output_block_scale)
+        # The cache write stays the base backend's (its own step when
+        # forward_includes_kv_cache_update is False, vLLM calls do_kv_cache_update first).
+        rows = step.query_rows()
+        k_scale, v_scale = self._scales(layer, state["format"])
+        step.attend(output[:rows].view(rows, self.num_heads, self.head_size), query[:rows],
+                    state["view"], k_scale, v_scale, state["format"], LAYOUT, self.scale)
+        type(self).mjolnir_steps += 1
+        return output
