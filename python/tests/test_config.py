@@ -22,9 +22,11 @@ def test_values():
            "MJOLNIR_ATTN_Q_DTYPE": "FP8", "MJOLNIR_ATTN_P_DTYPE": "bf16",
            "MJOLNIR_ATTN_MAX_SPLITS": "32", "MJOLNIR_ATTN_THREADS": "3",
            "MJOLNIR_ATTN_KV_FORMAT": "FP4_E2M1", "MJOLNIR_ATTN_KV_SCALES": "s.json",
-           "MJOLNIR_ATTN_KV_CALIBRATE": "yes"}
+           "MJOLNIR_ATTN_KV_CALIBRATE": "yes", "MJOLNIR_ATTN_GPU_BASE": "FlashInfer",
+           "MJOLNIR_ATTN_MAX_QLEN": "4"}
     assert AttnConfig.from_env(env) == AttnConfig(True, False, "fp8", "bf16", 32, 3, "fp4_e2m1",
-                                                  "s.json", "mjolnir-kv-amax.json")
+                                                  "s.json", "mjolnir-kv-amax.json",
+                                                  "flashinfer", 4)
     assert AttnConfig.from_env({"MJOLNIR_ATTN_KV_CALIBRATE": "run/a.json"}).kv_calibrate == \
         "run/a.json"
     assert AttnConfig.from_env({"MJOLNIR_ATTN_KV_CALIBRATE": "0"}).kv_calibrate == ""
@@ -39,6 +41,8 @@ def test_values():
     ("MJOLNIR_ATTN_KV_FORMAT", "fp5", "is not one of bf16, fp16, fp8_e4m3"),
     ("MJOLNIR_ATTN_MAX_SPLITS", "many", "is not an integer"),
     ("MJOLNIR_ATTN_THREADS", "-1", r"-1 is outside \[0, 4096\]"),
+    ("MJOLNIR_ATTN_GPU_BASE", "triton", "is not one of flash_attn, flashinfer"),
+    ("MJOLNIR_ATTN_MAX_QLEN", "9", r"9 is outside \[1, 8\]"),
 ])
 def test_bad_values_name_the_variable(name, value, pattern):
     with pytest.raises(ValueError, match=rf"^{name}: .*{pattern}"):
