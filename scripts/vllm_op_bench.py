@@ -45,13 +45,11 @@ def timed(fn, calls: int, between: bool) -> float:
 def vllm_isa() -> str:
     """The ISA vLLM's CPU backend picks for a bf16 model: its AMX kernels where the CPU has AMX
     tiles (after asking Linux for them, as vLLM's worker does), else the vector ones."""
-    try:
-        if torch._C._cpu._is_amx_tile_supported():
-            torch._C._cpu._init_amx()
-            return "amx"
-    except (AttributeError, RuntimeError):
-        pass
-    return "vec"
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    isa = _get_attn_isa(torch.bfloat16, 32, 128)  # vLLM's own choice for the bench's shape
+    if isa == "amx":
+        torch._C._cpu._init_amx()  # the tiles' permission from Linux, as vLLM's worker asks
+    return isa
 
 
 def prefill(lengths, rounds: int) -> list:
