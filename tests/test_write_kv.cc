@@ -7,18 +7,15 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
-#include <functional>
 #include <iostream>
 #include <limits>
 #include <random>
 #include <string>
 #include <string_view>
-#include <thread>
 #include <vector>
 
 #include "expect_error.h"
 #include "mjolnir/cache.h"
-#include "mjolnir/decode.h"
 #include "mjolnir/error.h"
 #include "mjolnir/format.h"
 #include "mjolnir/write_kv.h"
@@ -240,63 +237,6 @@ TEST(WriteKv, NoTokensAndAllSkipped) {
 }
 
 // --- amax ----------------------------------------------------------------------------------------
-
-// Runs each index on a thread of its own, all at once: what a host pool may do.
-class ThreadPerIndexExecutor final : public Executor {
- public:
-  int workers() const override { return 4; }
-  void parallel_for(std::int64_t count, const std::function<void(std::int64_t, int)>& fn) override {
-    std::vector<std::thread> threads;
-    for (std::int64_t i = 0; i < count; ++i) threads.emplace_back([&, i] { fn(i, int(i % 4)); });
-    for (std::thread& t : threads) t.join();
-    ++calls;
-  }
-  int calls = 0;
-};
-
-// A prompt's tokens written with an executor (a KV head per worker) store the same bytes and
-// record the same amax as without one, two tokens mapped to one slot included (the later wins).
-TEST(WriteKv, AnExecutorWritesTheSameBytes) {
-  std::mt19937_64 rng(test_seed() + 9);
-  for (Format format : {Format::fp8_e4m3, Format::nvfp4, Format::bf16}) {
-    CacheGeometry g = small_geometry(format);
-    g.num_pages = 40;
-    g.num_kv_heads = 4;
-    TestCache serial(g, Layout::BNH2D, ScaleGranularity::channel, rng);
-    TestCache parallel(g, Layout::BNH2D, ScaleGranularity::channel, rng);
-    parallel.k_scale = serial.k_scale;
-    parallel.v_scale = serial.v_scale;
-    parallel.view.k_scale = parallel.k_scale;
-    parallel.view.v_scale = parallel.v_scale;
-    std::vector<std::int64_t> slots;
-    for (int t = 0; t < 200; ++t) slots.push_back(t % 7 == 3 ? -1 : (t * 37) % 320);
-    slots[151] = slots[11];  // two tokens, one slot: token 151 wins
-    TestTokens tokens(static_cast<int>(slots.size()), g, rng);
-    const std::size_t count = std::size_t(g.num_kv_heads) * g.head_dim;
-    std::vector<float> amax_serial[2] = {std::vector<float>(count), std::vector<float>(count)};
-    std::vector<float> amax_parallel[2] = {std::vector<float>(count), std::vector<float>(count)};
-    AmaxRecorder serial_amax{amax_serial[0], amax_serial[1]};
-    AmaxRecorder parallel_amax{amax_parallel[0], amax_parallel[1]};
-    write_kv(serial.view, tokens.k_rows(), tokens.v_rows(), slots, &serial_amax);
-    ThreadPerIndexExecutor executor;
-    write_kv(parallel.view, tokens.k_rows(), tokens.v_rows(), slots, &parallel_amax, &executor);
-    EXPECT_EQ(executor.calls, 1) << "200 tokens are a prompt's: the heads run on the executor";
-    EXPECT_TRUE(serial.pool == parallel.pool) << to_string(format);
-    EXPECT_EQ(amax_serial[0], amax_parallel[0]);
-    EXPECT_EQ(amax_serial[1], amax_parallel[1]);
-    // The later of the two tokens is what the shared slot holds.
-    const int page = int(slots[151] / g.page_size), offset = int(slots[151] % g.page_size);
-    const std::vector<float> want =
-        expected_row(format, tokens.at(0, 151, 1), g.head_dim, parallel.view, 0, 1);
-    std::vector<float> got(static_cast<std::size_t>(g.head_dim));
-    decode_row(format,
-               std::span<const std::byte>(parallel.view.row(page, 1, offset, 0), g.row_bytes()),
-               got);
-    for (int c = 0; c < g.head_dim; ++c) {
-      ASSERT_EQ(got[c] * parallel.view.k_scale_at(1, c), want[c]) << to_string(format) << " " << c;
-    }
-  }
-}
 
 TEST(WriteKv, RecordsAmaxOfWrittenTokensOnly) {
   std::mt19937_64 rng(test_seed() + 3);

@@ -8,8 +8,6 @@
 
 namespace mjolnir {
 
-class Executor;  // mjolnir/decode.h
-
 // New tokens' K or V in float32: [num_tokens, Hk, D], channels contiguous, element strides.
 struct TokenRows {
   const float* data = nullptr;
@@ -28,11 +26,8 @@ struct AmaxRecorder {
 // (negative slots are skipped, as vLLM's reshape_and_cache_flash does). Everything is checked
 // before any byte is written: slots inside the pool, the strides, and that every K/V value to be
 // stored is finite ("k[5][2][17] is NaN"). Two tokens mapped to one slot: the later one wins,
-// as in vLLM. With `amax`, records |x| maxima of the written tokens. With an `executor`, a
-// call of many tokens (a prompt's) encodes each KV head's rows on a worker of its own; the
-// bytes written are the same.
+// as in vLLM. With `amax`, records |x| maxima of the written tokens.
 void write_kv(const KvCacheView& cache, const TokenRows& k, const TokenRows& v,
-              std::span<const std::int64_t> slot_mapping, AmaxRecorder* amax = nullptr,
-              Executor* executor = nullptr);
+              std::span<const std::int64_t> slot_mapping, AmaxRecorder* amax = nullptr);
 
 }  // namespace mjolnir

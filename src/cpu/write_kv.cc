@@ -11,7 +11,6 @@
 #include <vector>
 
 #include "cpu/row_encoder.h"
-#include "mjolnir/decode.h"
 #include "mjolnir/error.h"
 #include "mjolnir/format.h"
 
@@ -96,7 +95,7 @@ void check_finite(const NamedRows& input, std::span<const std::int64_t> slot_map
 }  // namespace
 
 void write_kv(const KvCacheView& cache, const TokenRows& k, const TokenRows& v,
-              std::span<const std::int64_t> slot_mapping, AmaxRecorder* amax, Executor* executor) {
+              std::span<const std::int64_t> slot_mapping, AmaxRecorder* amax) {
   // --- checks: nothing below this block may throw, so a rejected call writes nothing --------
   validate(cache);
   const CacheGeometry& geometry = cache.geometry;
@@ -127,14 +126,12 @@ void write_kv(const KvCacheView& cache, const TokenRows& k, const TokenRows& v,
     }
     return all.subspan(std::size_t(head) * d, d);
   };
-  // One KV head's rows, in token order (so that of two tokens mapped to one slot the later
-  // wins); heads touch disjoint rows and amax entries, so they may run at once.
-  const auto write_head = [&](int head) {
-    for (std::int64_t token = 0; token < num_tokens; ++token) {
-      const std::int64_t slot = slot_mapping[static_cast<std::size_t>(token)];
-      if (slot < 0) continue;  // skipped (padding), as vLLM's reshape_and_cache_flash does
-      const int page = static_cast<int>(slot / geometry.page_size);
-      const int offset = static_cast<int>(slot % geometry.page_size);
+  for (std::int64_t token = 0; token < num_tokens; ++token) {
+    const std::int64_t slot = slot_mapping[static_cast<std::size_t>(token)];
+    if (slot < 0) continue;  // skipped (padding), as vLLM's reshape_and_cache_flash does
+    const int page = static_cast<int>(slot / geometry.page_size);
+    const int offset = static_cast<int>(slot % geometry.page_size);
+    for (int head = 0; head < num_kv_heads; ++head) {
       for (const NamedRows& input : inputs) {
         const float* values = input.at(token, head);
         // SIMD, bit for bit encode_row(values / scale) (tested against it over every format).
@@ -149,14 +146,6 @@ void write_kv(const KvCacheView& cache, const TokenRows& k, const TokenRows& v,
         }
       }
     }
-  };
-  // A decode step's few tokens cost less than handing them to other threads.
-  constexpr std::int64_t kParallelTokens = 64;
-  if (executor != nullptr && executor->workers() > 1 && num_kv_heads > 1 &&
-      num_tokens >= kParallelTokens) {
-    executor->parallel_for(num_kv_heads, [&](std::int64_t head, int) { write_head(int(head)); });
-  } else {
-    for (int head = 0; head < num_kv_heads; ++head) write_head(head);
   }
 }
 
