@@ -55,7 +55,8 @@ def vllm_isa() -> str:
 def prefill(lengths, rounds: int) -> list:
     """One prompt's attention, all its tokens query tokens (one layer: Hq 32, Hk 8, D 128, bf16
     cache, block 32), through vLLM's op and mjolnir's plan_step / attend (P fp32, and the modes
-    "auto" picks), interleaved rounds, median milliseconds."""
+    "auto" picks), and the prompt's cache write through both (mjolnir's also into fp8);
+    interleaved rounds, median milliseconds."""
     from vllm import _custom_ops as vllm_ops
     hq, hk, d, block = 32, 8, 128, 32
     isa = vllm_isa()
@@ -79,7 +80,21 @@ def prefill(lengths, rounds: int) -> list:
         steps = {mode: torch.ops.mjolnir.plan_step(seq_lens, table, starts, 0, hq, hk,
                                                    q_mode=mode, p_mode=mode)
                  for mode in ("fp32", "auto")}
+        # The prompt's cache write: vLLM's into its layout, mjolnir's into BHN2D (bf16, and fp8
+        # where vLLM's own op takes it), every token a slot of its own.
+        key = torch.randn(n, hk, d, dtype=torch.bfloat16)
+        slots = torch.arange(n, dtype=torch.int64)
+        theirs_kc, theirs_vc = kc, vc
+        fp8_pool = torch.zeros(blocks + 1, hk, block, 2 * d, dtype=torch.uint8)
+        fp8_view = fp8_pool.view(blocks + 1, hk, 2, block, d).permute(0, 1, 3, 2, 4)
         fns = {
+            f"vllm_{isa}_write_ms": lambda: vllm_ops.cpu_attn_reshape_and_cache(
+                key, key, theirs_kc, theirs_vc, slots, isa, k_scale=1.0, v_scale=1.0,
+                kv_cache_dtype="auto"),
+            "mjolnir_write_bf16_ms": lambda: torch.ops.mjolnir.write_kv(
+                key, key, view, slots, one, one, "bf16", "BHN2D"),
+            "mjolnir_write_fp8_ms": lambda: torch.ops.mjolnir.write_kv(
+                key, key, fp8_view, slots, one, one, "fp8_e4m3", "BHN2D"),
             f"vllm_{isa}_ms": lambda: vllm_ops.cpu_attention_with_kv_cache(
                 query=q, key_cache=kc, value_cache=vc, output=out, query_start_loc=starts,
                 seq_lens=seq_lens, scale=d ** -0.5, causal=True, alibi_slopes=None,

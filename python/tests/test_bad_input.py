@@ -63,6 +63,8 @@ def decode_with(args, **changes):
      r"^kv_cache: dimension 0 \(K/V\) of layout 2BNHD has size 3"),
     (dict(kv_cache=torch.zeros(2, PAGES, 12, HK, D, dtype=torch.uint8)),
      r"^kv_cache.geometry.page_size: 12"),
+    (dict(kv_cache=torch.zeros(2, 0, P, HK, D, dtype=torch.uint8)),
+     r"^kv_cache: dimension 1 \(pages\) of layout 2BNHD has size 0"),
     (dict(kv_cache=torch.zeros(2, PAGES, P, HK, 2 * D, dtype=torch.uint8)[..., ::2]),
      r"^kv_cache: the last dimension \(a token's row\) must be contiguous"),
     (dict(q_mode="int8"), r"^q_mode: 'int8' is not one of fp32, bf16, fp8"),

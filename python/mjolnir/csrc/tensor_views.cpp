@@ -308,6 +308,10 @@ CacheTensor cache_tensor(const at::Tensor& kv_cache, std::string_view kv_format,
     size[int(dims[i])] = kv_cache.size(i);
     stride[int(dims[i])] = kv_cache.stride(i) * item;
   }
+  if (size[int('B')] < 1) {
+    fail("kv_cache: dimension ", dims.find('B'), " (pages) of layout ", dims,
+         " has size 0: a cache needs at least one page; shape ", shape_of(kv_cache));
+  }
   if (size[int('2')] != 2) {
     fail("kv_cache: dimension ", dims.find('2'), " (K/V) of layout ", dims, " has size ",
          size[int('2')], ", expected 2; shape ", shape_of(kv_cache));
