@@ -242,7 +242,18 @@ class MjolnirGpuAttentionImpl(_Impl):
         # forward_includes_kv_cache_update is False, vLLM calls do_kv_cache_update first).
         rows = step.query_rows()
         k_scale, v_scale = self._scales(layer, state["format"])
-        step.attend(output[:rows].view(rows, self.num_heads, self.head_size), query[:rows],
-                    state["view"], k_scale, v_scale, state["format"], LAYOUT, self.scale)
+        try:
+            step.attend(output[:rows].view(rows, self.num_heads, self.head_size), query[:rows],
+                        state["view"], k_scale, v_scale, state["format"], LAYOUT, self.scale)
+        except ValueError as e:
+            # Raised before any kernel runs (the arguments' checks, a shape the CUDA decode does
+            # not take): the layer goes back to the base backend for good, this step included,
+            # rather than ending the engine and every request in it.
+            state["owned"] = False
+            logger.warning("mjolnir: a decode step failed on mjolnir (%s); this layer stays on "
+                           "vLLM's %s", e, _CONFIG.gpu_base)
+            type(self).fallback_steps += 1
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                                   output_scale, output_block_scale)
         type(self).mjolnir_steps += 1
         return output

@@ -218,3 +218,12 @@ def test_forward_runs_the_plan_or_the_base_backend(gen, monkeypatch):
     sliding = make_impl(sliding_window=(63, 0))
     sliding.forward(layer, q, None, None, cache, types.SimpleNamespace(mjolnir_step=step), out)
     assert calls == ["base", "base"]
+
+    # A step mjolnir refuses (here: planned for other heads) goes to the base backend and the
+    # layer stays there, instead of an exception ending the engine.
+    other = make_impl()
+    wrong, _ = gpu.plan_decode_step(meta, (8, 1), AttnConfig(q_dtype="fp32", p_dtype="fp32"),
+                                    backend="cpu")
+    other.forward(layer, q, None, None, cache, types.SimpleNamespace(mjolnir_step=wrong), out)
+    other.forward(layer, q, None, None, cache, types.SimpleNamespace(mjolnir_step=step), out)
+    assert calls == ["base", "base", "base", "base"]
