@@ -165,7 +165,7 @@ def main() -> None:
         # vLLM's: its cache layout, its scheduler metadata made once.
         theirs = torch.randn(num_blocks, hk, block, 2 * d).to(torch.bfloat16)
         kc, vc = theirs.view(num_blocks, hk, 2 * block, d).chunk(2, dim=2)
-        isa = "vec"
+        isa = vllm_isa()  # what vLLM picks here (AMX on CPUs with AMX tiles)
         sched = vllm_ops.cpu_attn_get_scheduler_metadata(
             num_reqs=batch, num_heads=hq, num_kv_heads=hk, head_dim=d, seq_lens=seq_lens,
             dtype=torch.bfloat16, query_start_loc=starts, causal=True, sliding_window_size=-1,
@@ -186,13 +186,15 @@ def main() -> None:
         # mjolnir's: the plugin's layout (BHN2D over the same allocation), one plan per step.
         ours = torch.randn(num_blocks, hk, block, 2 * d).to(torch.bfloat16)
         view = ours.view(num_blocks, hk, 2, block, d).permute(0, 1, 3, 2, 4)
-        step = torch.ops.mjolnir.plan_step(seq_lens, table, starts, 0, hq, hk)
+        step = torch.ops.mjolnir.plan_step(seq_lens, table, starts, 0, hq, hk, q_mode="auto",
+                                           p_mode="auto")  # the plugin's defaults
 
         def mjolnir_attention():  # what the plugin calls: the Step's method
             step.attend(out.view(batch, hq, d), q, view, one, one, "bf16", "BHN2D", d ** -0.5)
 
         def mjolnir_plan():
-            torch.ops.mjolnir.plan_step(seq_lens, table, starts, 0, hq, hk)
+            torch.ops.mjolnir.plan_step(seq_lens, table, starts, 0, hq, hk, q_mode="auto",
+                                        p_mode="auto")
 
         def mjolnir_write():
             torch.ops.mjolnir.write_kv(key, key, view, slots, one, one, "bf16", "BHN2D")
