@@ -261,8 +261,8 @@ if wants cli && [[ -x "$build/tools/mjolnir" ]]; then
 fi
 
 # --- 6b. the cap on chunks per sequence (max_splits), swept where the plan's default may miss ---
-# batch 1 (where splitting is all the parallelism there is) and batch 16 at 8k (few tokens per
-# chunk): the rows the table misses its targets on. Opt-in: MJOLNIR_CHECK_STAGES=...,splits.
+# batches 1-4 (where splitting is most of the parallelism, and where Backend::wave_workers()
+# caps the chunks at one wave), fp8 and fp4, D 128 and 256. Opt-in: MJOLNIR_CHECK_STAGES=...,splits.
 if wants splits && [[ -x "$build/tools/mjolnir" ]]; then
   note "chunks per sequence swept (mjolnir bench --backend cuda --max-splits N)"
   {

@@ -68,21 +68,12 @@ def _path(env: Mapping[str, str], name: str, flag_default: str = "") -> str:
     return value
 
 
-def _mode(env: Mapping[str, str], name: str, default: str) -> str:
-    raw = env.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    value = raw.strip().lower()
-    if value not in _MODES:
-        raise ValueError(f"{name}: '{raw}' is not one of {', '.join(_MODES)}")
-    return value
-
-
 # The vLLM GPU backends the GPU backend can subclass (MJOLNIR_ATTN_GPU_BASE).
 GPU_BASES = ("flash_attn", "flashinfer")
 
 
 def _choice(env: Mapping[str, str], name: str, choices, default: str) -> str:
+    """One of `choices` (case-insensitive), `default` when unset or empty."""
     raw = env.get(name)
     if raw is None or raw.strip() == "":
         return default
@@ -118,8 +109,8 @@ class AttnConfig:
         return cls(
             disable=_flag(env, "MJOLNIR_ATTN_DISABLE", False),
             fallback=_flag(env, "MJOLNIR_ATTN_FALLBACK", True),
-            q_dtype=_mode(env, "MJOLNIR_ATTN_Q_DTYPE", "auto"),
-            p_dtype=_mode(env, "MJOLNIR_ATTN_P_DTYPE", "auto"),
+            q_dtype=_choice(env, "MJOLNIR_ATTN_Q_DTYPE", _MODES, "auto"),
+            p_dtype=_choice(env, "MJOLNIR_ATTN_P_DTYPE", _MODES, "auto"),
             max_splits=_int(env, "MJOLNIR_ATTN_MAX_SPLITS", 16, 1, 256),
             threads=_int(env, "MJOLNIR_ATTN_THREADS", 0, 0, 4096),
             kv_format=_format(env, "MJOLNIR_ATTN_KV_FORMAT"),

@@ -24,7 +24,7 @@ from typing import Any, Optional
 import torch
 from vllm.config import get_layers_from_vllm_config
 from vllm.model_executor.layers.attention import Attention
-from vllm.v1.attention.backend import AttentionMetadataBuilder, AttentionType
+from vllm.v1.attention.backend import AttentionMetadataBuilder
 from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttentionBackendImpl,
                                                  CPUAttentionMetadata,
                                                  CPUAttentionMetadataBuilder)
@@ -33,6 +33,7 @@ from vllm.v1.attention.backends.utils import get_num_attention_heads_from_layers
 from . import _ext, ops  # noqa: F401  (registers torch.ops.mjolnir)
 from . import calibrate
 from .config import AttnConfig
+from .vllm_layers import block_size_reason, feature_reason
 
 # vLLM cache dtype names -> mjolnir formats ("auto" = the cache holds the model dtype).
 _KV_DTYPE_FORMAT = {"fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
@@ -258,16 +259,9 @@ class MjolnirCPUAttentionImpl(CPUAttentionBackendImpl):
     def owner_reason(self, kv_cache: torch.Tensor) -> Optional[str]:
         """None when this layer's cache is mjolnir's; else why vLLM keeps it. Depends only on
         the layer and its cache tensor's dtype and shape, so writes and reads always agree."""
-        if self.attn_type != AttentionType.DECODER:
-            return f"attention type {self.attn_type}"
-        if self.alibi_slopes is not None:
-            return "ALiBi"
-        if self.sliding_window not in (None, -1):
-            return "sliding window"
-        if self.logits_soft_cap:
-            return "logits soft-cap"
-        if self.sinks is not None:
-            return "attention sinks"
+        why = feature_reason(self)
+        if why is not None:
+            return why
         if self.head_size % 32 != 0 or self.head_size > 256:
             return f"head size {self.head_size}"
         fmt = self.mjolnir_format(kv_cache)
@@ -277,10 +271,7 @@ class MjolnirCPUAttentionImpl(CPUAttentionBackendImpl):
         if kv_cache.dim() != 4 or kv_cache.shape[-1] != 2 * row or kv_cache.dtype != dtype:
             return (f"cache shape {tuple(kv_cache.shape)} / dtype {kv_cache.dtype}, where "
                     f"{fmt} needs [blocks, {self.num_kv_heads}, block_size, {2 * row}] {dtype}")
-        block_size = kv_cache.shape[2]
-        if block_size < 8 or block_size > 256 or block_size & (block_size - 1):
-            return f"block size {block_size}"
-        return None
+        return block_size_reason(kv_cache.shape[2])
 
     def cache_view(self, kv_cache: torch.Tensor) -> torch.Tensor:
         """vLLM's [blocks, Hk, block_size, 2 * row] allocation as mjolnir's BHN2D 5-D view."""

@@ -30,10 +30,11 @@ import logging
 from typing import Any, Optional
 
 import torch
-from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
+from vllm.v1.attention.backend import AttentionCGSupport
 
 from . import _ext, ops  # noqa: F401  (registers torch.ops.mjolnir)
 from .config import AttnConfig
+from .vllm_layers import block_size_reason, feature_reason
 
 logger = logging.getLogger("vllm.mjolnir")
 
@@ -170,15 +171,9 @@ class MjolnirGpuAttentionImpl(_Impl):
     def owner_reason(self, kv_cache: torch.Tensor) -> Optional[str]:
         """None when mjolnir may run this layer's decode steps; else why not. Depends only on
         the layer and its cache tensor."""
-        if self.attn_type != AttentionType.DECODER:
-            return f"attention type {self.attn_type}"
-        for what, present in (("ALiBi", getattr(self, "alibi_slopes", None) is not None),
-                              ("sliding window", getattr(self, "sliding_window", None)
-                               not in (None, -1, (-1, -1))),
-                              ("logits soft-cap", bool(getattr(self, "logits_soft_cap", 0))),
-                              ("attention sinks", getattr(self, "sinks", None) is not None)):
-            if present:
-                return what
+        why = feature_reason(self)
+        if why is not None:
+            return why
         if self.head_size not in (64, 128, 256):
             return f"head size {self.head_size} (the CUDA decode takes 64, 128, 256)"
         model_dtype = kv_cache.dtype if kv_cache.dtype in _MODEL_FORMAT else None
@@ -189,10 +184,7 @@ class MjolnirGpuAttentionImpl(_Impl):
                 or kv_cache.stride(-1) != 1:
             return (f"cache shape {tuple(kv_cache.shape)}, strides {kv_cache.stride()}: not "
                     f"[blocks, Hk, block_size, {2 * self.head_size}] with contiguous rows")
-        block_size = kv_cache.shape[2]
-        if block_size < 8 or block_size > 256 or block_size & (block_size - 1):
-            return f"block size {block_size}"
-        return None
+        return block_size_reason(kv_cache.shape[2])
 
     def _layer_state(self, layer, kv_cache: torch.Tensor) -> Optional[dict[str, Any]]:
         """This layer's mjolnir state for this cache tensor (format, view, host scales), or None
