@@ -19,6 +19,17 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.to(torch.float64) - ref).abs().max() / ref.abs().max())
 
 
+def emulator_bound(q_mode: str, p_mode: str) -> float:
+    """How far a backend may sit from the emulator in the same Q / P modes (docs/numerics.md,
+    "Three comparisons per case"): fp32 summation order only (1e-5); a code on an fp8 rounding
+    boundary (1e-4); or, in P mode bf16, P rounded from the backend's own scores, where a p on
+    a bf16 tie moves its row by up to 2^-7 w_i |v_i| (2^-8; the CPU does this, the worst seen
+    over 200 seeds of the test below is 1.0e-3)."""
+    if p_mode == "bf16":
+        return 2.0**-8
+    return 1e-4 if "fp8" in (q_mode, p_mode) else 1e-5
+
+
 def make_scales(x: torch.Tensor, fmt: str, granularity: str, gen) -> torch.Tensor:
     """Scales for x [tokens, Hk, D] in the granularity: amax / format max with headroom (the
     quantized formats), or random in [0.5, 2] (bf16 / fp16)."""
@@ -119,7 +130,7 @@ def test_numerics_modes_match_emulator(gen, q_mode, p_mode):
     p = Problem(gen, "fp8_e4m3", "B2NHD", 4, "channel", d=128, max_len=300)
     out = p.decode(q_mode=q_mode, p_mode=p_mode)
     emulated = p.decode(q_mode=q_mode, p_mode=p_mode, backend="reference")
-    assert rel_err(out, emulated.to(torch.float64)) < 2e-4
+    assert rel_err(out, emulated.to(torch.float64)) < emulator_bound(q_mode, p_mode)
     assert rel_err(out, p.reference()) < 0.1
 
 
