@@ -251,6 +251,16 @@ TEST(MalformedScales, ValidDocumentParses) {
   EXPECT_EQ(scales.layers[1].v_scale, std::vector<float>(8, 0.5f));
 }
 
+// Found by tests/fuzz/scales_parse: a number beyond a double's range was an internal error.
+TEST(MalformedScales, NumberBeyondADoubleIsAFileError) {
+  expect_error([&] { parse_scales_json("644366E14436640", "m.json"); },
+               "m.json: not a JSON scales file", "number overflow");
+  std::string text = valid_document().dump();
+  text.replace(text.find("1.25"), 4, "1e999");
+  expect_error([&] { parse_scales_json(text, "m.json"); }, "m.json: not a JSON scales file",
+               "number overflow");
+}
+
 TEST(MalformedScales, FileNotFoundOrADirectory) {
   const TempDir dir;
   const auto missing = dir.file("missing.json");

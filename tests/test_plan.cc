@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <array>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -115,6 +116,24 @@ TEST(Plan, SplitsAreCapped) {
   const std::vector<std::int32_t> lens{100000};
   make_plan(plan, lens, 1, 1, PlanOptions{.workers = 132, .max_splits = 64});
   EXPECT_EQ(plan.num_splits[0], 4);
+}
+
+// Found by tests/fuzz/decode_step: a chunk's rounded-up end overflowed int for a sequence near
+// INT32_MAX tokens (UBSan: signed integer overflow). The chunks still cover it, on tile bounds.
+TEST(Plan, ChunksOfASequenceNearInt32MaxDoNotOverflow) {
+  constexpr std::int32_t kLen = std::numeric_limits<std::int32_t>::max() - 5;
+  Plan plan(PlanCapacity{1, 1, 3});
+  const std::vector<std::int32_t> lens{kLen};
+  make_plan(plan, lens, 1, 1, PlanOptions{.max_splits = 3, .tile_tokens = 64, .fixed_splits = 3});
+  ASSERT_EQ(plan.num_items, 3);
+  std::int64_t covered = 0;
+  for (const WorkItem& item : plan.work()) {
+    EXPECT_EQ(item.kv_begin, covered);
+    EXPECT_EQ(item.kv_begin % 64, 0);
+    EXPECT_LT(item.kv_begin, item.kv_end);
+    covered = item.kv_end;
+  }
+  EXPECT_EQ(covered, kLen);
 }
 
 // The cap that lets one long sequence fill a GPU: 132 SMs x 8 planned CTAs (an H200) over 8 KV

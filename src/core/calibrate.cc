@@ -194,6 +194,13 @@ Json parse_document(const std::string& text, const std::string& source) {
                           " bytes before the document is complete (", reason, ")");
     }
     detail::throw_error(source, ": not JSON: ", reason, " (byte ", e.byte, ")");
+  } catch (const Json::exception& e) {
+    // The parser's other failures are about the text too: a number beyond a double's range
+    // ("number overflow parsing '1E400'"), nesting too deep.
+    std::string reason = e.what();
+    const std::size_t start = reason.find("] ");
+    if (start != std::string::npos) reason = reason.substr(start + 2);
+    detail::throw_error(source, ": not a JSON scales file: ", reason);
   }
 }
 

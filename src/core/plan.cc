@@ -201,9 +201,11 @@ void make_plan(Plan& plan, const StepShape& step, const PlanOptions& options) {
     plan.query_tiles[i] = qt;
     plan.num_splits[i] = splits;
     plan.first_partial[i] = splits > 1 ? partials : -1;
+    // In 64 bits: a chunk's rounded-up end may pass INT32_MAX for a sequence near it.
+    const std::int64_t chunk_tokens = std::int64_t(tiles_per_chunk) * tile;
     for (int s = 0; s < splits; ++s) {
-      const int begin = std::min(len, s * tiles_per_chunk * tile);
-      const int end = std::min(len, (s + 1) * tiles_per_chunk * tile);
+      const int begin = static_cast<int>(std::min<std::int64_t>(len, s * chunk_tokens));
+      const int end = static_cast<int>(std::min<std::int64_t>(len, (s + 1) * chunk_tokens));
       for (int h = 0; h < step.num_kv_heads; ++h) {
         plan.items[items++] = WorkItem{.seq = qt.seq,
                                        .kv_head = h,
