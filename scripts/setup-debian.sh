@@ -12,6 +12,7 @@ packages=(
   libhwy-dev          # Google Highway: one SIMD source for SSE4 / AVX2 / AVX-512 / NEON
   libcli11-dev        # the mjolnir CLI
   nlohmann-json3-dev  # scales files, bench --json
+  clang               # libFuzzer (scripts/fuzz.sh); its FuzzedDataProvider for the corpus replays
 )
 
 missing=()

@@ -15,7 +15,10 @@ constexpr std::array<float, 256> e4m3_value_table() {
   std::array<float, 256> table{};
   const float scale = minifloat_detail::exact_power_of_two(kScaleExp);
   for (std::uint32_t code = 0; code < 256; ++code) {
-    table[code] = decode_minifloat<kE4M3Spec>(code) * scale;
+    const float value = decode_minifloat<kE4M3Spec>(code);
+    // NaN codes stay NaN without arithmetic on them: clang rejects NaN-producing arithmetic in
+    // a constant expression.
+    table[code] = value != value ? value : value * scale;
   }
   return table;
 }
