@@ -37,7 +37,9 @@ CLI::App* add_info_command(CLI::App& app) {
 int run_info() {
   std::printf("mjolnir %s\n", MJOLNIR_VERSION_STRING);
   std::printf("build: %s, compiler %s, sanitizers %s, CUDA %s\n", MJOLNIR_BUILD_TYPE, __VERSION__,
-              MJOLNIR_SANITIZE ? "address+undefined" : "off",
+              MJOLNIR_SANITIZE ? "address+undefined"
+              : MJOLNIR_TSAN   ? "thread"
+                               : "off",
               MJOLNIR_HAS_CUDA ? "on (MJOLNIR_CUDA)" : "off");
   std::printf("SIMD targets: compiled %s; dispatched here: %s\n",
               join(cpu::compiled_simd_targets(), " ").c_str(),

@@ -120,9 +120,18 @@ void validate(const DecodeArgs& args);
 // items no longer own. O(items); Backend::run calls it on every step.
 void check_plan(const Plan& plan, const DecodeArgs& args);
 
-// One implementation of the numerics contract. Backends are stateless between calls except for
-// their own resources (threads, streams), so one backend serves concurrent calls on distinct
-// workspaces.
+// One implementation of the numerics contract.
+//
+// Threads: one backend serves concurrent calls on distinct workspaces. Every member function may
+// be called from several threads at once; concurrent run() calls need a workspace and outputs
+// (o, lse) each and may share the plan, the cache (pool and scales), the batch and the queries,
+// which run() only reads. The "cpu" backend runs such calls one at a time: run() holds the
+// backend's lock for the whole step (it reuses its unit schedule and its workers' scratch between
+// calls), so threads sharing it take turns on its worker threads. "cuda" also holds a lock across
+// run(); "reference" keeps no state and runs them side by side. For CPU steps that run in
+// parallel, give each thread a backend of its own. make_plan() writes the plan: not while a run()
+// reads it. tests/test_concurrency.cc checks this, under ThreadSanitizer too (scripts/test.sh
+// --tsan); README.md "Threads" says the same for the whole API.
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -179,6 +188,8 @@ inline constexpr int kMaxCpuThreads = 4096;
 
 // Where the CPU backend runs its work: threads of its own by default, or a host program's
 // (a serving engine's intra-op thread pool, so that the two do not fight over the cores).
+// Several CPU backends may share one executor, whose parallel_for is then called from several
+// threads at once; the backend's own pool (threads of its own) runs such calls one at a time.
 class Executor {
  public:
   virtual ~Executor() = default;

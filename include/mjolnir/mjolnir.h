@@ -22,9 +22,19 @@
  *  - Sizes and strides are explicit: strides count elements for float tensors and bytes for the
  *    cache pool. Tensor shapes are written outermost first: [num_tokens, Hk, D].
  *  - No C++ exception crosses this API; out of memory is MJOLNIR_ERROR_OUT_OF_MEMORY.
- *  - Threads: calls on different handles may run concurrently. A handle that a call names as
- *    its first argument is used by one thread at a time; the handles a call only reads (the
- *    cache and plan of mjolnir_decode) may be shared by concurrent calls.
+ *  - Threads: calls on different handles may run concurrently. A call may change the handle it
+ *    names first (its message; a plan's step in mjolnir_plan_update), so that handle is used by
+ *    one thread at a time. The handles a call takes after the first it only reads (the plan and
+ *    cache of mjolnir_decode and mjolnir_workspace_size, the backend of mjolnir_plan_update):
+ *    any number of calls may read one at once, while no call names it first. Concurrent decodes
+ *    therefore need a backend handle and a workspace each, and may share one cache and one plan
+ *    (updated before they start, not while they run). mjolnir_last_error() is per thread. Caller
+ *    memory: the pool, scales, q, seq_lens and block_table may be read by concurrent calls; o,
+ *    lse, the workspace and k_amax / v_amax belong to one call at a time. mjolnir_write_kv writes
+ *    only the rows of its slots: writers with a cache handle each (over one pool) may write
+ *    distinct slots at once, also while decodes read other rows. A "cpu" backend runs one step at
+ *    a time on worker threads of its own. tests/test_concurrency.cc checks this
+ *    (scripts/test.sh --tsan: under ThreadSanitizer).
  *  - Memory: with the "cpu" and "reference" backends every pointer is host memory, and
  *    mjolnir_write_kv always writes the pool from the host. A device backend says where its
  *    arguments live (for "cuda", once built: pool, q, o, lse and workspace on the device; scales,

@@ -119,7 +119,7 @@ struct Plan {
 // token) is covered exactly once. Padding requests (seq_len 0 in a decode step) get one empty
 // item per KV head, which writes O = 0 and LSE = -inf and reads nothing. Chunk bounds are
 // multiples of options.tile_tokens. Throws Error when the step does not fit the plan's capacity
-// or an argument is out of range.
+// or an argument is out of range. It writes `plan`: not while a Backend::run() reads it.
 void make_plan(Plan& plan, const StepShape& step, const PlanOptions& options);
 // A decode step: q_len query tokens per sequence.
 void make_plan(Plan& plan, std::span<const std::int32_t> seq_lens, int q_len, int num_kv_heads,

@@ -27,6 +27,10 @@ struct AmaxRecorder {
 // before any byte is written: slots inside the pool, the strides, and that every K/V value to be
 // stored is finite ("k[5][2][17] is NaN"). Two tokens mapped to one slot: the later one wins,
 // as in vLLM. With `amax`, records |x| maxima of the written tokens.
+//
+// Threads: writes the rows of the mapped slots and nothing else of the pool (distinct rows never
+// share a byte), so calls that write distinct slots may run at once, and alongside decodes that
+// do not read those rows. `amax` is raised without synchronization: one per concurrent call.
 void write_kv(const KvCacheView& cache, const TokenRows& k, const TokenRows& v,
               std::span<const std::int64_t> slot_mapping, AmaxRecorder* amax = nullptr);
 

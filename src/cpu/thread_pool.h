@@ -23,7 +23,10 @@ class ThreadPool final : public Executor {
 
   // Calls fn(index, worker) for every index in [0, count), handing indices out dynamically so
   // uneven items balance; worker in [0, workers()) identifies per-thread scratch. Blocks until
-  // all are done; rethrows the first exception an fn threw. Calls are serialized.
+  // all are done; rethrows the first exception an fn threw. Calls are serialized: calls from
+  // several threads run one at a time (each waits for a lock held for the whole call), so two of
+  // them never share a worker index; the calling thread is worker 0 of its own call. A call from
+  // inside fn on the same pool would wait for itself.
   //
   // Workers spin for a short while (kSpinMicros) before sleeping, and so does the caller while
   // it waits for them: a decode step of a short context takes tens of microseconds, about what
