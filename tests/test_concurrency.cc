@@ -22,6 +22,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <functional>
@@ -50,7 +51,9 @@ namespace {
 using testing::test_seed;  // fresh per run, printed; MJOLNIR_TEST_SEED replays one
 
 // Threads that run at once in every test, and decode steps each. Under ThreadSanitizer (5-15x
-// slower; GCC defines __SANITIZE_THREAD__, clang has __has_feature) fewer steps.
+// slower; GCC defines __SANITIZE_THREAD__, clang has __has_feature) fewer steps, and fewer still
+// with MJOLNIR_TEST_QUICK=1 (the ASan suite, and the Arm check under qemu, where 200 steps took
+// over 5 minutes a test).
 #if defined(__SANITIZE_THREAD__)
 #define MJOLNIR_TEST_TSAN 1
 #elif defined(__has_feature)
@@ -59,11 +62,18 @@ using testing::test_seed;  // fresh per run, printed; MJOLNIR_TEST_SEED replays 
 #endif
 #endif
 constexpr int kThreads = 4;
+int steps() {
+  static const int count = [] {
+    const char* quick = std::getenv("MJOLNIR_TEST_QUICK");
+    if (quick != nullptr && std::string_view(quick) == "1") return 8;
 #ifdef MJOLNIR_TEST_TSAN
-constexpr int kSteps = 40;
+    return 40;
 #else
-constexpr int kSteps = 200;
+    return 200;
 #endif
+  }();
+  return count;
+}
 
 // A generator per test: the run's seed mixed with the test's name, so tests are independent.
 std::mt19937_64 make_rng() {
@@ -140,7 +150,7 @@ void run_threads(const std::function<void(int)>& body) {
 void expect_clean(const std::vector<ThreadReport>& reports) {
   for (std::size_t t = 0; t < reports.size(); ++t) {
     EXPECT_EQ(reports[t].failures, 0)
-        << "thread " << t << ": " << reports[t].failures << " failures in " << kSteps
+        << "thread " << t << ": " << reports[t].failures << " failures in " << steps()
         << " steps (a result that differs from the single-threaded run's, or a message that is "
            "not the thread's own); first: "
         << reports[t].first << " (" << seed_note() << ")";
@@ -230,7 +240,7 @@ TEST(Concurrency, SharedCpuBackendPlanAndCacheGiveTheSingleThreadedBits) {
     std::vector<std::byte> workspace(workspace_bytes);  // each thread its own
     DecodeArgs args = base;
     Outputs out(args);
-    for (int step = 0; step < kSteps; ++step) {
+    for (int step = 0; step < steps(); ++step) {
       const Variant& variant = variants[t][step % kVariants];
       args.params = variant.params;
       out.poison();
@@ -302,7 +312,7 @@ struct Lane {
   }
 };
 
-// Runs each lane alone, then all at once for kSteps steps each; every result must be the alone
+// Runs each lane alone, then all at once for steps() steps each; every result must be the alone
 // result's bits.
 void check_lanes(std::vector<Lane>& lanes) {
   for (Lane& lane : lanes) {
@@ -322,7 +332,7 @@ void check_lanes(std::vector<Lane>& lanes) {
     Plan plan = lane.new_plan();
     std::vector<std::byte> workspace;
     Outputs out(lane.problem->args());
-    for (int step = 0; step < kSteps; ++step) {
+    for (int step = 0; step < steps(); ++step) {
       lane.step(plan, workspace, out);
       if (!(out == *lane.expected)) {
         reports[t].fail(std::string(lane.backend->name()) + " " + describe(lane.problem->spec()) +
@@ -556,7 +566,7 @@ TEST(Concurrency, WriteKvIntoFreePagesWhileDecodingTheOthers) {
     }
     std::vector<std::byte> workspace(workspace_bytes);
     Outputs out(base);
-    for (int step = 0; step < kSteps; ++step) {
+    for (int step = 0; step < steps(); ++step) {
       out.poison();
       backend->run(out.bind(base, problem.query()), plan, workspace);
       if (!(out == expected)) reports[t].fail("step " + std::to_string(step));
@@ -723,7 +733,7 @@ TEST(Concurrency, CapiBackendPerThreadSharingCacheAndPlanGivesTheSingleThreadedB
     mjolnir_backend* backend = backends[t].get();
     std::vector<float> workspace = workspace_for(t);
     Outputs out(base);
-    for (int step = 0; step < kSteps; ++step) {
+    for (int step = 0; step < steps(); ++step) {
       const Variant& variant = variants[t][step % kVariants];
       const mjolnir_decode_params p = c_params(variant.params);
       out.poison();
