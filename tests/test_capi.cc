@@ -27,6 +27,7 @@
 #include <thread>
 #include <vector>
 
+#include "capi_handles.h"
 #include "mjolnir/cache.h"
 #include "mjolnir/calibrate.h"
 #include "mjolnir/decode.h"
@@ -146,23 +147,10 @@ std::function<const char*()> message_of(const char* (*last_error)(const Handle*)
         << #call << ": " << mjolnir_status_string(status_) << ": " << mjolnir_last_error(); \
   } while (0)
 
-// Handle owners, so a failing assertion does not leak.
-struct CacheDeleter {
-  void operator()(mjolnir_cache* c) const { mjolnir_cache_destroy(c); }
-};
-struct BackendDeleter {
-  void operator()(mjolnir_backend* b) const { mjolnir_backend_destroy(b); }
-};
-struct PlanDeleter {
-  void operator()(mjolnir_plan* p) const { mjolnir_plan_destroy(p); }
-};
-struct ScalesDeleter {
-  void operator()(mjolnir_scales* s) const { mjolnir_scales_destroy(s); }
-};
-using CachePtr = std::unique_ptr<mjolnir_cache, CacheDeleter>;
-using BackendPtr = std::unique_ptr<mjolnir_backend, BackendDeleter>;
-using PlanPtr = std::unique_ptr<mjolnir_plan, PlanDeleter>;
-using ScalesPtr = std::unique_ptr<mjolnir_scales, ScalesDeleter>;
+using mjolnir::testing::BackendPtr;
+using mjolnir::testing::CachePtr;
+using mjolnir::testing::PlanPtr;
+using mjolnir::testing::ScalesPtr;
 
 BackendPtr make_backend(const char* name, int threads = 2) {
   mjolnir_backend* backend = nullptr;

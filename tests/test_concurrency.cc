@@ -36,6 +36,7 @@
 #include <thread>
 #include <vector>
 
+#include "capi_handles.h"
 #include "cpu/thread_pool.h"
 #include "mjolnir/cache.h"
 #include "mjolnir/decode.h"
@@ -580,15 +581,9 @@ TEST(Concurrency, WriteKvIntoFreePagesWhileDecodingTheOthers) {
 
 // ---- d. the C API: a backend handle per thread, one cache and one plan handle shared ------------
 
-struct CacheDeleter {
-  void operator()(mjolnir_cache* c) const { mjolnir_cache_destroy(c); }
-};
-struct BackendDeleter {
-  void operator()(mjolnir_backend* b) const { mjolnir_backend_destroy(b); }
-};
-struct PlanDeleter {
-  void operator()(mjolnir_plan* p) const { mjolnir_plan_destroy(p); }
-};
+using testing::BackendPtr;
+using testing::CachePtr;
+using testing::PlanPtr;
 
 // The C enum value whose name is `name` (the C values are pinned, the C++ enums need not be).
 template <typename Names>
@@ -601,7 +596,7 @@ std::int32_t c_value(Names names, std::string_view name) {
 }
 
 // A cache handle over a Problem's pool, with its strides given explicitly.
-std::unique_ptr<mjolnir_cache, CacheDeleter> c_cache(const KvCacheView& view) {
+CachePtr c_cache(const KvCacheView& view) {
   mjolnir_cache_desc desc;
   mjolnir_cache_desc_init(&desc);
   desc.format = c_value(mjolnir_format_name, to_string(view.geometry.format));
@@ -623,7 +618,7 @@ std::unique_ptr<mjolnir_cache, CacheDeleter> c_cache(const KvCacheView& view) {
   desc.pool_bytes = view.bytes;
   mjolnir_cache* cache = nullptr;
   EXPECT_EQ(mjolnir_cache_create(&desc, &cache), MJOLNIR_OK) << mjolnir_last_error();
-  return std::unique_ptr<mjolnir_cache, CacheDeleter>(cache);
+  return CachePtr(cache);
 }
 
 TEST(Concurrency, CapiBackendPerThreadSharingCacheAndPlanGivesTheSingleThreadedBits) {
@@ -645,7 +640,7 @@ TEST(Concurrency, CapiBackendPerThreadSharingCacheAndPlanGivesTheSingleThreadedB
   ASSERT_NE(cache, nullptr);
 
   // Three CPU backends (two and one threads) and the emulator, one handle per thread.
-  std::vector<std::unique_ptr<mjolnir_backend, BackendDeleter>> backends;
+  std::vector<BackendPtr> backends;
   for (int t = 0; t < kThreads; ++t) {
     mjolnir_backend* b = nullptr;
     ASSERT_EQ(mjolnir_backend_create(t == kThreads - 1 ? "reference" : "cpu", t == 2 ? 1 : 2, &b),
@@ -656,7 +651,7 @@ TEST(Concurrency, CapiBackendPerThreadSharingCacheAndPlanGivesTheSingleThreadedB
   const int num_seqs = base.batch.num_seqs();
   mjolnir_plan* raw_plan = nullptr;
   ASSERT_EQ(mjolnir_plan_create(num_seqs, spec.num_kv_heads, 16, &raw_plan), MJOLNIR_OK);
-  const std::unique_ptr<mjolnir_plan, PlanDeleter> plan(raw_plan);
+  const PlanPtr plan(raw_plan);
   ASSERT_EQ(mjolnir_plan_update(plan.get(), base.batch.seq_lens.data(), num_seqs, spec.params.q_len,
                                 backends[0].get()),
             MJOLNIR_OK)
@@ -817,7 +812,7 @@ TEST(Concurrency, CapiWriteKvThroughACacheHandleEachEqualsTheSequentialWrites) {
                             call.slots.data(), std::int64_t(call.slots.size()), nullptr, nullptr);
   };
 
-  std::vector<std::unique_ptr<mjolnir_cache, CacheDeleter>> caches;
+  std::vector<CachePtr> caches;
   for (int t = 0; t < kThreads; ++t) caches.push_back(c_cache(view));
   ASSERT_NE(caches.back(), nullptr);
   for (const auto& thread_calls : calls) {

@@ -17,7 +17,7 @@
 
 namespace {
 
-using mjolnir_fuzz::kMaxBufferElements;
+using mjolnir_fuzz::tensor_extent;
 
 constexpr std::int64_t kMaxPoolBytes = 1 << 18;
 
@@ -43,19 +43,6 @@ std::vector<float> scales(FuzzedDataProvider& in, std::int64_t count) {
   return values;
 }
 
-// The floats one [num_tokens, Hk, D] input spans with these strides, or -1 when the strides are
-// not ones a caller could back with a buffer here (the call is then skipped).
-long long input_extent(std::int64_t tokens, std::int64_t heads, std::int64_t d,
-                       std::int64_t token_stride, std::int64_t head_stride) {
-  if (tokens == 0) return 0;
-  if (token_stride < 0 || head_stride < 0 || token_stride > kMaxBufferElements ||
-      head_stride > kMaxBufferElements) {
-    return -1;
-  }
-  const long long extent = (tokens - 1) * token_stride + (heads - 1) * head_stride + d;
-  return extent <= kMaxBufferElements ? extent : -1;
-}
-
 void fuzz_write_kv(FuzzedDataProvider& in, mjolnir_cache* cache, const mjolnir_cache_desc& desc) {
   const std::int64_t hk = desc.num_kv_heads, d = desc.head_dim;
   const auto num_tokens = std::int64_t(in.ConsumeIntegralInRange(0, 12));
@@ -69,8 +56,8 @@ void fuzz_write_kv(FuzzedDataProvider& in, mjolnir_cache* cache, const mjolnir_c
       s[1] = in.ConsumeIntegralInRange<std::int64_t>(-2, 2 * d);
     }
   }
-  const long long k_extent = input_extent(num_tokens, hk, d, strides[0][0], strides[0][1]);
-  const long long v_extent = input_extent(num_tokens, hk, d, strides[1][0], strides[1][1]);
+  const long long k_extent = tensor_extent(num_tokens, hk, d, strides[0][0], strides[0][1]);
+  const long long v_extent = tensor_extent(num_tokens, hk, d, strides[1][0], strides[1][1]);
   if (k_extent < 0 || v_extent < 0) return;
   std::vector<float> k(static_cast<std::size_t>(k_extent)), v(static_cast<std::size_t>(v_extent));
   const bool wild_values = in.ConsumeBool();

@@ -13,12 +13,13 @@
 #include <memory>
 #include <vector>
 
+#include "capi_handles.h"
 #include "fuzz_check.h"
 
 namespace {
 
 using mjolnir_fuzz::check_failure_explained;
-using mjolnir_fuzz::kMaxBufferElements;
+using mjolnir_fuzz::tensor_extent;
 
 // Backends live for the whole run: creating a CPU backend per input would dominate its time.
 mjolnir_backend* backend(int which) {
@@ -36,25 +37,8 @@ mjolnir_backend* backend(int which) {
   return backends[which];
 }
 
-struct CacheDeleter {
-  void operator()(mjolnir_cache* c) const { mjolnir_cache_destroy(c); }
-};
-struct PlanDeleter {
-  void operator()(mjolnir_plan* p) const { mjolnir_plan_destroy(p); }
-};
-
-// Floats of a [rows, heads, D] tensor with these strides, or -1 when no buffer here could back
-// them (the step is then skipped).
-long long tensor_extent(std::int64_t rows, std::int64_t heads, std::int64_t d,
-                        std::int64_t token_stride, std::int64_t head_stride) {
-  if (rows <= 0 || heads <= 0) return 0;
-  if (token_stride < 0 || head_stride < 0 || token_stride > kMaxBufferElements ||
-      head_stride > kMaxBufferElements) {
-    return -1;
-  }
-  const long long extent = (rows - 1) * token_stride + (heads - 1) * head_stride + d;
-  return extent <= kMaxBufferElements ? extent : -1;
-}
+using mjolnir::testing::CachePtr;
+using mjolnir::testing::PlanPtr;
 
 void expect_ok_or_explained(mjolnir_status status) {
   if (status != MJOLNIR_OK) check_failure_explained(status);
@@ -94,7 +78,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   desc.pool_bytes = pool.size();
   mjolnir_cache* raw_cache = nullptr;
   FUZZ_CHECK(mjolnir_cache_create(&desc, &raw_cache) == MJOLNIR_OK);
-  const std::unique_ptr<mjolnir_cache, CacheDeleter> cache(raw_cache);
+  const CachePtr cache(raw_cache);
   const std::int32_t hk = desc.num_kv_heads, d = desc.head_dim;
   const std::int32_t pool_tokens = desc.num_pages * desc.page_size;
 
@@ -111,7 +95,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     FUZZ_CHECK(raw_plan == nullptr);
     return 0;
   }
-  const std::unique_ptr<mjolnir_plan, PlanDeleter> plan(raw_plan);
+  const PlanPtr plan(raw_plan);
   for (int i = in.ConsumeIntegralInRange(0, 3); i > 0; --i) {
     expect_ok_or_explained(mjolnir_plan_set_option(plan.get(), in.ConsumeIntegralInRange(-1, 5),
                                                    in.ConsumeIntegralInRange(-2, 300)));

@@ -3,6 +3,7 @@
 // small enough to run thousands of times a second.
 #pragma once
 
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 
@@ -32,5 +33,19 @@ inline void check_failure_explained(mjolnir_status status) {
 // Buffers a target allocates for the library to read or write, in elements. Inputs whose
 // strides would need more are skipped rather than handed a buffer the call may not read past.
 inline constexpr long long kMaxBufferElements = 1 << 20;
+
+// Floats a [rows, heads, D] tensor with these element strides spans (D contiguous), or -1 when
+// no buffer here could back them (the call is then skipped: the API cannot know a buffer's end,
+// so strides past it are the caller's promise, not the library's to catch).
+inline long long tensor_extent(std::int64_t rows, std::int64_t heads, std::int64_t d,
+                               std::int64_t token_stride, std::int64_t head_stride) {
+  if (rows <= 0 || heads <= 0) return 0;
+  if (token_stride < 0 || head_stride < 0 || token_stride > kMaxBufferElements ||
+      head_stride > kMaxBufferElements) {
+    return -1;
+  }
+  const long long extent = (rows - 1) * token_stride + (heads - 1) * head_stride + d;
+  return extent <= kMaxBufferElements ? extent : -1;
+}
 
 }  // namespace mjolnir_fuzz
