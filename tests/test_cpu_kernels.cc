@@ -34,6 +34,7 @@
 #include "cpu/subnormals.h"
 #include "cpu/work_units.h"
 #include "mjolnir/format.h"
+#include "non_finite_cases.h"
 #include "test_seed.h"
 #include "verify/case_matrix.h"
 
@@ -466,6 +467,19 @@ TEST_P(CpuKernelMatrix, QuickMatrixMatchesEmulator) {
     const verify::Case& c = cases[i];
     const verify::CaseResult r = verify::run_case(c, *backend);
     EXPECT_NE(r.status, verify::CaseResult::Status::failed) << c.name() << ": " << r.message;
+  }
+}
+
+// The non-finite policy on this target's kernel: every format (each NaN and Inf code), mode and
+// plan (non_finite_cases.h).
+TEST_P(CpuKernelMatrix, NonFiniteInputsPoisonExactlyTheRowsThatMeetThem) {
+  const auto backend = make_backend("cpu", BackendOptions{.threads = 2});
+  const auto configs = mjolnir::testing::non_finite_configs();
+  for (std::size_t i = 0; i < configs.size(); ++i) {
+    if (runs_case(i)) {
+      mjolnir::testing::check_non_finite_policy(*backend, configs[i],
+                                                mjolnir::testing::test_seed() + 23);
+    }
   }
 }
 

@@ -33,6 +33,7 @@
 #endif
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
@@ -204,14 +205,21 @@ inline void SoftmaxColumns(const ItemContext& it, const float* HWY_RESTRICT scor
     const auto visible = [&](int k) { return _mm512_cmpgt_epi32_mask(live, _mm512_set1_epi32(k)); };
     const float* s = scores + r0;
     __m512 tile_max = neg_inf;
+    // x - x summed over the keys a row sees: NaN where one of its scores is not finite, which
+    // poisons the row (l = NaN, core/non_finite.h).
+    __m512 non_finite = _mm512_setzero_ps();
     if (masked) {
       for (int k = 0; k < count; ++k) {
-        tile_max =
-            _mm512_mask_max_ps(tile_max, visible(k), tile_max, _mm512_load_ps(s + k * stride));
+        const __m512 x = _mm512_load_ps(s + k * stride);
+        tile_max = _mm512_mask_max_ps(tile_max, visible(k), tile_max, x);
+        non_finite = _mm512_mask_add_ps(non_finite, visible(k), non_finite, _mm512_sub_ps(x, x));
       }
     } else {
-      for (int k = 0; k < count; ++k)
-        tile_max = _mm512_max_ps(tile_max, _mm512_load_ps(s + k * stride));
+      for (int k = 0; k < count; ++k) {
+        const __m512 x = _mm512_load_ps(s + k * stride);
+        tile_max = _mm512_max_ps(tile_max, x);
+        non_finite = _mm512_add_ps(non_finite, _mm512_sub_ps(x, x));
+      }
     }
     const auto m_old = hn::Load(df, m_rows);
     const auto m_new =
@@ -240,14 +248,15 @@ inline void SoftmaxColumns(const ItemContext& it, const float* HWY_RESTRICT scor
       std::uint16_t* out = p_words + (std::size_t(b) * padded + r0) * kAmxRowWords;
       for (int r = 0; r < 16; ++r) _mm512_store_si512(out + r * kAmxRowWords, pairs[r]);
     }
-    alignas(64) float alpha_rows[16], m_out[16], l_out[16];
+    alignas(64) float alpha_rows[16], m_out[16], l_out[16], non_finite_rows[16];
     hn::Store(alpha, df, alpha_rows);
     hn::Store(m_new, df, m_out);
     hn::Store(hn::MulAdd(hn::Load(df, l_rows), alpha, hn::Vec<WideFloatTag>{sum}), df, l_out);
+    _mm512_store_ps(non_finite_rows, non_finite);
     for (int j = 0; j < group_rows; ++j) {
       state.alpha[r0 + j] = alpha_rows[j];
       state.m[r0 + j] = m_out[j];
-      state.l[r0 + j] = l_out[j];
+      state.l[r0 + j] = std::isnan(non_finite_rows[j]) ? kPoisonedRow : l_out[j];
     }
   }
 }

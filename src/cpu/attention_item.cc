@@ -9,6 +9,7 @@
 #include <limits>
 #include <numbers>
 
+#include "core/non_finite.h"
 #include "mjolnir/format.h"
 
 namespace mjolnir::cpu {
@@ -19,8 +20,11 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 float round_to(Format format, float x) { return decode_element(format, encode_element(format, x)); }
 
-// Q for the QK product and the factor that turns q . decode(k) into log2-scaled scores.
-float prepare_query(const DecodeArgs& args, const WorkItem& item, int g, std::span<float> q_out) {
+// Q for the QK product and the factor that turns q . decode(k) into log2-scaled scores. Rows
+// with a non-finite value are flagged in `poisoned` and zeroed, so the fp8 scale of the others
+// is as if they were not there.
+float prepare_query(const DecodeArgs& args, const WorkItem& item, int g, std::span<float> q_out,
+                    std::span<char> poisoned) {
   const KvCacheView& cache = args.cache;
   const DecodeParams& p = args.params;
   const int d = cache.geometry.head_dim;
@@ -36,6 +40,8 @@ float prepare_query(const DecodeArgs& args, const WorkItem& item, int g, std::sp
     } else {
       std::copy(q, q + d, out);
     }
+    poisoned[r] = !all_finite(out, d);
+    if (poisoned[r]) std::fill(out, out + d, 0.0f);
     for (int c = 0; c < d; ++c) amax = std::max(amax, std::abs(out[c]));
   }
   float sq = 1.0f;
@@ -83,8 +89,11 @@ void run_attention_item(const DecodeArgs& args, const Plan& plan, const WorkItem
   s.acc.assign(std::size_t(rows) * d, 0.0f);
   s.o.resize(std::size_t(rows) * d);
   s.lse.resize(rows);
+  s.q_poisoned.assign(rows, 0);
+  s.poisoned.assign(rows, 0);
 
-  const float score_scale = item.kv_begin < item.kv_end ? prepare_query(args, item, g, s.q) : 0.0f;
+  const float score_scale =
+      item.kv_begin < item.kv_end ? prepare_query(args, item, g, s.q, s.q_poisoned) : 0.0f;
   const float p_scale = p.p_mode == PMode::fp8 ? 256.0f : 1.0f;
 
   for (int first = item.kv_begin; first < item.kv_end; first += tile) {
@@ -96,6 +105,7 @@ void run_attention_item(const DecodeArgs& args, const Plan& plan, const WorkItem
       const int visible = (p.causal ? seq_len - item.q_count + t + 1 : seq_len) - first;
       const int live = std::clamp(visible, 0, n);  // tokens of the tile this row sees
       if (live == 0) continue;
+      if (s.q_poisoned[r]) s.poisoned[r] = 1;
       const float* q = &s.q[std::size_t(r) * d];
       float* scores = &s.scores[std::size_t(r) * tile];
       float tile_max = kNegInf;
@@ -104,6 +114,7 @@ void run_attention_item(const DecodeArgs& args, const Plan& plan, const WorkItem
         float dot = 0.0f;
         for (int c = 0; c < d; ++c) dot += q[c] * k[c];
         scores[i] = dot * score_scale;
+        if (!std::isfinite(scores[i])) s.poisoned[r] = 1;
         tile_max = std::max(tile_max, scores[i]);
       }
       const float m_new = std::max(s.m[r], tile_max);
@@ -128,6 +139,11 @@ void run_attention_item(const DecodeArgs& args, const Plan& plan, const WorkItem
   const bool channel_scales = cache.granularity == ScaleGranularity::channel;
   for (int r = 0; r < rows; ++r) {
     float* o = &s.o[std::size_t(r) * d];
+    if (s.poisoned[r]) {
+      poison_row(o, d, &s.lse[r]);
+      s.l[r] = kPoisonedRow;  // for a merge of token parts
+      continue;
+    }
     if (s.l[r] == 0.0f) {
       std::fill(o, o + d, 0.0f);
       s.lse[r] = kNegInf;
@@ -143,6 +159,10 @@ void run_attention_item(const DecodeArgs& args, const Plan& plan, const WorkItem
       for (int c = 0; c < d; ++c) o[c] = acc[c] * vs * inv_l;
     }
     s.lse[r] = (s.m[r] + std::log2(s.l[r])) * std::numbers::ln2_v<float>;
+    if (!all_finite(o, d)) {  // a non-finite V value
+      poison_row(o, d, &s.lse[r]);
+      s.l[r] = kPoisonedRow;
+    }
   }
 }
 

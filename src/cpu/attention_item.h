@@ -19,9 +19,11 @@ struct ItemScratch {
   std::vector<float> acc;     // [rows, D]
   std::vector<float> o;       // [rows, D] normalized output of the item
   std::vector<float> lse;     // [rows]
+  std::vector<char> q_poisoned, poisoned;  // [rows] non-finite q; non-finite q or K seen
 };
 
-// Runs `item` and leaves its normalized O [rows, D] and LSE [rows] in scratch.o / scratch.lse.
+// Runs `item` and leaves its normalized O [rows, D] and LSE [rows] in scratch.o / scratch.lse
+// (NaN rows where the non-finite policy says, core/non_finite.h).
 void run_attention_item(const DecodeArgs& args, const Plan& plan, const WorkItem& item,
                         ItemScratch& scratch);
 

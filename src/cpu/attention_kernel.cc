@@ -36,6 +36,7 @@
 #include "cpu/kernel_blocks-inl.h"
 #include "cpu/kv_decode-inl.h"
 #include "cpu/minifloat_simd-inl.h"
+#include "cpu/non_finite_codes-inl.h"
 #include "cpu/online_softmax-inl.h"
 #include "cpu/word_decoders-inl.h"
 #include "hwy/highway.h"
@@ -51,6 +52,7 @@
 #include <type_traits>
 
 #include "core/minifloat.h"
+#include "core/non_finite.h"
 #include "cpu/amx.h"
 #include "cpu/attention_kernel.h"
 #include "cpu/item_context.h"
@@ -137,8 +139,10 @@ void TokenBases(const ItemContext& it, const std::int32_t* pages, int first, int
 
 // Step 1 of the contract for all R rows, exactly as the emulator does it: per-channel K scales
 // folded in, then rounded per Q mode. Writes qn [R][D] in natural channel order and returns the
-// score scale sq * k_scale * softmax_scale * log2(e).
-float PrepareQuery(const ItemContext& it, float* HWY_RESTRICT qn) {
+// score scale sq * k_scale * softmax_scale * log2(e). A row with a NaN or an infinity is zeroed
+// and flagged in poisoned [R] (1, else 0): the fp8 scale of the other rows is as if it were not
+// there, and the row comes out NaN (core/non_finite.h).
+float PrepareQuery(const ItemContext& it, float* HWY_RESTRICT qn, float* HWY_RESTRICT poisoned) {
   const DecodeArgs& args = *it.args;
   const KvCacheView& cache = args.cache;
   const FloatTag df;
@@ -150,11 +154,20 @@ float PrepareQuery(const ItemContext& it, float* HWY_RESTRICT qn) {
   for (int r = 0; r < it.rows; ++r) {
     const float* q = args.q_row(*it.item, r, it.g);
     float* out = qn + std::size_t(r) * d;
+    auto row_max = hn::Zero(df);
+    auto non_finite = hn::Zero(df);  // x - x: NaN where x is not finite
     for (int c = 0; c < d; c += int(n)) {
       auto v = hn::LoadU(df, q + c);
       if (channel_scales) v = hn::Mul(v, hn::LoadU(df, ks + c));
-      amax = hn::Max(amax, hn::Abs(v));
+      row_max = hn::Max(row_max, hn::Abs(v));
+      non_finite = hn::Add(non_finite, hn::Sub(v, v));
       hn::Store(v, df, out + c);
+    }
+    poisoned[r] = hn::AllFalse(df, hn::IsNaN(non_finite)) ? 0.0f : 1.0f;
+    if (poisoned[r] != 0.0f) {
+      std::fill(out, out + d, 0.0f);
+    } else {
+      amax = hn::Max(amax, row_max);
     }
   }
   const std::size_t total = std::size_t(it.rows) * d;
@@ -375,6 +388,7 @@ struct HeadState {
   std::uint16_t* q_tiles;           // Q . K on AMX tiles: Q's B tiles, else null
   float* acc;                       // [R][D] O accumulator, decoder channel order
   RowState state;                   // m, l, alpha: [R] each
+  float* q_poisoned;                // [R]: 1 where the row's q is not finite
   std::int64_t k_offset, v_offset;  // head's K and V rows from a token's base
 };
 
@@ -444,7 +458,7 @@ void RunUnit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, in
   float* qn = scratch.floats(kQNatural, std::size_t(rows) * d);
   float* q_all = scratch.floats(kQKernel, q_floats * heads);
   float* acc_all = scratch.floats(kAcc, std::size_t(acc_rows) * ld * heads);
-  float* state_all = scratch.floats(kRowState, 3 * std::size_t(rows) * heads);
+  float* state_all = scratch.floats(kRowState, 4 * std::size_t(rows) * heads);
   static_assert(std::is_trivially_destructible_v<HeadState>);
   HeadState* head_state = static_cast<HeadState*>(scratch.bytes(sizeof(HeadState) * heads));
   std::uninitialized_default_construct_n(head_state, heads);
@@ -467,13 +481,14 @@ void RunUnit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, in
     hs.v_offset = hs.k_offset + cache.strides.kv;
     hs.q = q_all + q_floats * h;
     hs.acc = acc_all + std::size_t(acc_rows) * ld * h;
-    float* st = state_all + 3 * std::size_t(rows) * h;
+    float* st = state_all + 4 * std::size_t(rows) * h;
     hs.state = RowState{st, st + rows, st + 2 * rows};
+    hs.q_poisoned = st + 3 * rows;
     std::fill(hs.state.m, hs.state.m + rows, kNegInf);
     std::fill(hs.state.l, hs.state.l + rows, 0.0f);
     std::fill(hs.acc, hs.acc + std::size_t(acc_rows) * ld, 0.0f);
 
-    const float score_scale = PrepareQuery(hs.it, qn);
+    const float score_scale = PrepareQuery(hs.it, qn, hs.q_poisoned);
     hs.q_tiles = nullptr;
     hs.dot = dot_format &&
              (args.params.q_mode != QMode::fp32 || AllBf16Values(qn, std::size_t(rows) * d));
@@ -565,6 +580,7 @@ void RunUnit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, in
     v_offsets[h] = head_state[h].v_offset;
   }
   TilePrefetcher prefetcher;
+  const bool scan_codes = ScansForNonFiniteCodes<Decoder>(geo.format);
 
   const int begin = items[0].kv_begin, end = items[0].kv_end;
   const auto tile_bases = [&](int first, const std::uint8_t** out) {
@@ -585,6 +601,23 @@ void RunUnit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, in
     // rows (all heads of a tile) fit in L2 beside the rows being used.
     prefetcher.Reset(bases, count, v_offsets, heads, head_state[0].it.row_bytes);
     int prefetch_rows = (prefetcher.rows() + heads * count - 1) / (heads * count);  // per key
+
+    // NaN and Inf codes this decoder would read as finite values poison the rows that see their
+    // token (non_finite_codes-inl.h); a NaN l stays NaN through the softmax updates.
+    if (scan_codes) {
+      for (int h = 0; h < heads; ++h) {
+        HeadState& hs = head_state[h];
+        for (int t = 0; t < count; ++t) {
+          if (!RowHasNonFiniteCode(geo.format, bases[t] + hs.k_offset, geo.row_bytes()) &&
+              !RowHasNonFiniteCode(geo.format, bases[t] + hs.v_offset, geo.row_bytes())) {
+            continue;
+          }
+          for (int r = 0; r < rows; ++r) {
+            if (LiveTokens(hs.it, r, first, count) > t) hs.state.l[r] = kPoisonedRow;
+          }
+        }
+      }
+    }
 
     // 1 and 2: scores and softmax, head by head; each head's P stays for step 3.
     for (int h = 0; h < heads; ++h) {
@@ -730,6 +763,12 @@ void RunUnit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, in
         }
       }
       if (lse != nullptr) *lse = (hs.state.m[r] + std::log2(l)) * std::numbers::ln2_v<float>;
+      // The non-finite policy (core/non_finite.h): a non-finite q (flagged), score (l = NaN,
+      // hence O) or V value (O) poisons the row. Its l says so to a merge of token parts.
+      if (hs.q_poisoned[r] != 0.0f || !all_finite(o, std::size_t(d))) {
+        poison_row(o, std::size_t(d), lse);
+        if (outs[h].stats != nullptr) outs[h].stats[r][1] = kPoisonedRow;
+      }
     }
   }
 }

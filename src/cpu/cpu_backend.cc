@@ -8,6 +8,7 @@
 #include <mutex>
 #include <numbers>
 
+#include "core/non_finite.h"
 #include "cpu/attention_kernel.h"
 #include "cpu/thread_pool.h"
 #include "cpu/work_units.h"
@@ -17,9 +18,13 @@ namespace mjolnir::cpu {
 namespace {
 
 // O = sum_i exp(lse_i - L) O_i with L = log sum_i exp(lse_i), for one query row of a split
-// sequence; chunks whose rows saw nothing (lse = -inf) weigh 0, all-empty gives O = 0.
+// sequence; chunks whose rows saw nothing (lse = -inf) weigh 0, all-empty gives O = 0, and a
+// poisoned chunk (lse = NaN) poisons the row (core/non_finite.h).
 void merge_row(const float* partial_o, const float* partial_lse, std::size_t o_stride,
                std::size_t lse_stride, int chunks, int d, float* o, float* lse) {
+  for (int s = 0; s < chunks; ++s) {
+    if (std::isnan(partial_lse[s * lse_stride])) return poison_row(o, std::size_t(d), lse);
+  }
   float max_lse = -std::numeric_limits<float>::infinity();
   for (int s = 0; s < chunks; ++s) max_lse = std::max(max_lse, partial_lse[s * lse_stride]);
   std::fill(o, o + d, 0.0f);
@@ -43,6 +48,9 @@ void merge_row(const float* partial_o, const float* partial_lse, std::size_t o_s
 // (M + log2 sum_i 2^(m_i - M) l_i) ln 2, as an unsplit run computes it.
 void merge_parts_row(const float* part_o, const float* part_stats, std::size_t o_stride,
                      std::size_t stats_stride, int parts, int d, float* o, float* lse) {
+  for (int s = 0; s < parts; ++s) {  // a poisoned part's l is NaN
+    if (std::isnan(part_stats[s * stats_stride + 1])) return poison_row(o, std::size_t(d), lse);
+  }
   float max_m = -std::numeric_limits<float>::infinity();
   for (int s = 0; s < parts; ++s) {
     const float* st = part_stats + s * stats_stride;

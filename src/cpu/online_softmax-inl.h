@@ -14,6 +14,7 @@
 #include <limits>
 
 #include "core/minifloat.h"
+#include "core/non_finite.h"
 #include "cpu/exp2-inl.h"
 #include "cpu/item_context.h"
 #include "cpu/kernel_blocks-inl.h"
@@ -32,6 +33,25 @@ struct RowState {
   float* l;      // [R] running sum of fp32 p
   float* alpha;  // [R] this tile's rescale of the accumulator
 };
+
+// Whether the first `live` scores at s (64-byte aligned, readable to a whole vector) are all
+// finite. A NaN or an infinity there is a non-finite q . k, which poisons the row
+// (core/non_finite.h). x - x is 0 for a finite x and NaN otherwise: two ops a vector of tokens.
+HWY_INLINE bool AllFinite(const float* HWY_RESTRICT s, int live) {
+  const WideFloatTag df;
+  const int n = int(hn::Lanes(df));
+  auto sum = hn::Zero(df);
+  int i = 0;
+  for (; i + n <= live; i += n) {
+    const auto v = hn::Load(df, s + i);
+    sum = hn::Add(sum, hn::Sub(v, v));
+  }
+  if (i < live) {
+    const auto v = hn::IfThenElseZero(hn::FirstN(df, std::size_t(live - i)), hn::Load(df, s + i));
+    sum = hn::Add(sum, hn::Sub(v, v));
+  }
+  return hn::AllFalse(df, hn::IsNaN(sum));
+}
 
 // Tokens of the tile [first, first + count) that row r may see.
 HWY_INLINE int LiveTokens(const ItemContext& it, int r, int first, int count) {
@@ -61,6 +81,7 @@ HWY_INLINE void SoftmaxRow(const ItemContext& it, int r, float* HWY_RESTRICT sco
     std::fill(p, p + padded, 0.0f);
     return;
   }
+  const bool finite = AllFinite(s, live);
   std::fill(s + live, s + padded, -std::numeric_limits<float>::infinity());
   auto vmax = hn::Set(df, -std::numeric_limits<float>::infinity());
   for (std::size_t i = 0; i < padded; i += n) vmax = hn::Max(vmax, hn::Load(df, s + i));
@@ -100,7 +121,7 @@ HWY_INLINE void SoftmaxRow(const ItemContext& it, int r, float* HWY_RESTRICT sco
                           ? hn::GetLane(Exp2Fast(df, hn::Set(df, m_old - m_new), 0))
                           : std::exp2(m_old - m_new);
   state.alpha[r] = alpha;
-  state.l[r] = state.l[r] * alpha + tile_sum;
+  state.l[r] = finite ? state.l[r] * alpha + tile_sum : kPoisonedRow;  // NaN l: a poisoned row
   state.m[r] = m_new;
 }
 
@@ -117,9 +138,11 @@ HWY_INLINE void SoftmaxRows4(int r, float* HWY_RESTRICT scores, float* HWY_RESTR
   const std::size_t padded = (std::size_t(count) + n - 1) / n * n;
   float* s[4];
   float* p[4];
+  bool finite[4];
   for (int j = 0; j < 4; ++j) {
     s[j] = scores + std::size_t(r + j) * stride;
     p[j] = probs + std::size_t(r + j) * stride;
+    finite[j] = AllFinite(s[j], live[j]);
     std::fill(s[j] + live[j], s[j] + padded, -std::numeric_limits<float>::infinity());
   }
   // Four named vectors, not arrays: SVE's sizeless vectors cannot be array elements.
@@ -155,11 +178,15 @@ HWY_INLINE void SoftmaxRows4(int r, float* HWY_RESTRICT scores, float* HWY_RESTR
   hn::StoreU(alpha, d4, state.alpha + r);
   hn::StoreU(hn::MulAdd(hn::LoadU(d4, state.l + r), alpha, tile_sum), d4, state.l + r);
   hn::StoreU(m_new, d4, state.m + r);
+  for (int j = 0; j < 4; ++j) {
+    if (!finite[j]) state.l[r + j] = kPoisonedRow;
+  }
 }
 
 // Step 3 (and 4) for one tile of `count` tokens starting at KV position `first`: per row, mask
 // what it may not see, update max and sum, and write P (rounded per mode, times 2^p_exp) into
-// probs [R][stride]; rows that see none of the tile keep their state (alpha = 1, P = 0).
+// probs [R][stride]; rows that see none of the tile keep their state (alpha = 1, P = 0). A row
+// with a non-finite score among those it sees gets l = NaN, which stays NaN and poisons it.
 void SoftmaxTile(const ItemContext& it, float* HWY_RESTRICT scores, float* HWY_RESTRICT probs,
                  std::size_t stride, int first, int count, int p_exp, const RowState& state) {
   const PFold fold{p_exp, std::ldexp(1.0f, p_exp), std::ldexp(1.0f, -p_exp)};  // exact

@@ -65,14 +65,14 @@ struct DotBf16 {
 };
 
 // High and low bytes of the bf16 value of every magnitude code (sign bit clear) of an 8-bit
-// format; codes past the largest finite one (NaN, Inf) never reach a cache, and take the largest.
+// format. NaN and Inf codes keep their value (bf16 holds both), so a cache that holds one follows
+// the non-finite policy (core/non_finite.h) at no cost.
 template <MinifloatSpec kSpec>
 struct Fp8Bf16Table {
   alignas(64) std::array<std::uint8_t, 128> high{}, low{};
   constexpr Fp8Bf16Table() {
     for (std::uint32_t code = 0; code < 128; ++code) {
-      const std::uint32_t finite = code <= kSpec.max_finite_code() ? code : kSpec.max_finite_code();
-      const std::uint32_t bits = minifloat_detail::bits_from_float(decode_minifloat<kSpec>(finite));
+      const std::uint32_t bits = minifloat_detail::bits_from_float(decode_minifloat<kSpec>(code));
       if ((bits & 0xFFFFu) != 0) throw "an fp8 value that is not a bf16 value";
       high[code] = static_cast<std::uint8_t>(bits >> 24);
       low[code] = static_cast<std::uint8_t>(bits >> 16);

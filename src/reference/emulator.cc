@@ -6,6 +6,7 @@
 #include <limits>
 #include <numbers>
 
+#include "core/non_finite.h"
 #include "mjolnir/error.h"
 #include "mjolnir/format.h"
 
@@ -48,11 +49,16 @@ PreparedQuery prepare_query(const DecodeArgs& args, const WorkItem& item) {
 
   PreparedQuery prepared;
   prepared.values.resize(std::size_t(rows) * d);
+  prepared.poisoned.assign(rows, 0);
   for (int r = 0; r < rows; ++r) {
     const float* q = args.q_row(item, r, g);
     float* out = &prepared.values[std::size_t(r) * d];
     for (int c = 0; c < d; ++c) {
       out[c] = channel_scales ? q[c] * cache.k_scale_at(kv_head, c) : q[c];
+    }
+    if (!all_finite(out, d)) {
+      prepared.poisoned[r] = 1;
+      std::fill(out, out + d, 0.0f);
     }
   }
 
@@ -102,6 +108,8 @@ void run_item(const DecodeArgs& args, const Plan& plan, const WorkItem& item,
 
   // Running state per row: max m (log2 units), sum l of fp32 p, accumulator acc [D].
   std::vector<float> m(rows, kNegInf), l(rows, 0.0f), acc(std::size_t(rows) * d, 0.0f);
+  // Rows that met a non-finite q or score (K) in a token they see.
+  std::vector<char> poisoned(rows, 0);
   std::vector<float> k_tile(std::size_t(tile) * d), v_tile(std::size_t(tile) * d);
   std::vector<float> s(tile);
 
@@ -116,6 +124,7 @@ void run_item(const DecodeArgs& args, const Plan& plan, const WorkItem& item,
       // Last KV position this query token may see.
       const int last = p.causal ? seq_len - item.q_count + t : seq_len - 1;
       const float* q = &query.values[std::size_t(r) * d];
+      if (tile_begin <= last && query.poisoned[r]) poisoned[r] = 1;
       float tile_max = kNegInf;
       for (int i = 0; i < n; ++i) {
         if (tile_begin + i > last) {
@@ -132,6 +141,7 @@ void run_item(const DecodeArgs& args, const Plan& plan, const WorkItem& item,
         for (int c = 0; c < d; ++c) dot += q[c] * k_tile[i * d + c];
 #endif
         s[i] = dot * query.score_scale;
+        if (!std::isfinite(s[i])) poisoned[r] = 1;
         tile_max = std::max(tile_max, s[i]);
       }
       if (tile_max == kNegInf) continue;  // every token of the tile is masked for this row
@@ -155,6 +165,10 @@ void run_item(const DecodeArgs& args, const Plan& plan, const WorkItem& item,
   const bool channel_scales = cache.granularity == ScaleGranularity::channel;
   for (int r = 0; r < rows; ++r) {
     float* out = &o[std::size_t(r) * d];
+    if (poisoned[r]) {
+      poison_row(out, d, &lse[r]);
+      continue;
+    }
     if (l[r] == 0.0f) {  // no visible token: the empty row of the contract
       std::fill(out, out + d, 0.0f);
       lse[r] = kNegInf;
@@ -166,11 +180,17 @@ void run_item(const DecodeArgs& args, const Plan& plan, const WorkItem& item,
       out[c] = acc[std::size_t(r) * d + c] * v_scale * inv_l;
     }
     lse[r] = (m[r] + std::log2(l[r])) * std::numbers::ln2_v<float>;
+    // A non-finite V value shows in O (p . NaN, p . Inf).
+    if (!all_finite(out, d)) poison_row(out, d, &lse[r]);
   }
 }
 
 void merge_chunks(std::span<const float> partial_o, std::span<const float> partial_lse,
                   int head_dim, std::span<float> o, float* lse) {
+  if (std::any_of(partial_lse.begin(), partial_lse.end(), [](float x) { return std::isnan(x); })) {
+    poison_row(o.data(), o.size(), lse);
+    return;
+  }
   float max_lse = kNegInf;
   for (float x : partial_lse) max_lse = std::max(max_lse, x);
   if (max_lse == kNegInf) {

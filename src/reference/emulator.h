@@ -15,6 +15,10 @@ namespace mjolnir::reference {
 struct PreparedQuery {
   std::vector<float> values;  // [rows = q_count * g, D]: fp32, bf16-rounded or e4m3 codes
   float score_scale = 0;      // multiplies q . decode(k): sq * k_scale * softmax_scale * log2(e)
+  // Rows whose q (times per-channel K scales) holds a NaN or an infinity: their values are zeros
+  // here, so the fp8 scale and codes of the item's other rows are as if they were not there, and
+  // run_item makes them NaN (core/non_finite.h).
+  std::vector<char> poisoned;  // [rows]
 };
 
 // Step 1 and the scale of step 2 for the item's rows: per-channel K scales folded into Q, then
@@ -32,12 +36,12 @@ float probability_scale(PMode mode);
 // Steps 2-5 for one work item: online softmax over tiles of plan.tile_tokens starting at
 // item.kv_begin. Writes normalized O (times V scales) and the natural-log LSE of every query
 // row of the item to `o` [rows, D] and `lse` [rows]; rows that see no token get O = 0,
-// LSE = -inf.
+// LSE = -inf, and rows that meet a non-finite value O = LSE = NaN (core/non_finite.h).
 void run_item(const DecodeArgs& args, const Plan& plan, const WorkItem& item,
               const PreparedQuery& query, std::span<float> o, std::span<float> lse);
 
 // Step 6: L = log(sum exp(lse_i)), O = sum exp(lse_i - L) * O_i over the chunks; all-empty
-// gives O = 0, L = -inf. `partial_o` [chunks][D], `partial_lse` [chunks].
+// gives O = 0, L = -inf, and a chunk with a NaN LSE (a poisoned row) O = L = NaN. `partial_o` [chunks][D], `partial_lse` [chunks].
 void merge_chunks(std::span<const float> partial_o, std::span<const float> partial_lse,
                   int head_dim, std::span<float> o, float* lse);
 

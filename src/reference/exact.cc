@@ -5,6 +5,8 @@
 #include <cmath>
 #include <limits>
 
+#include "core/non_finite.h"
+
 namespace mjolnir::reference {
 
 KvRowSource kv_rows_from_cache(const KvCacheView& cache, const PagedBatch& batch) {
@@ -54,20 +56,34 @@ ExactResult exact_attention(const DecodeArgs& args, const KvRowSource& kv_rows) 
           const float* q = args.q.data + row * args.q.token_stride + head * args.q.head_stride;
           s.assign(visible, 0.0);
           double max_s = -std::numeric_limits<double>::infinity();
+          // The non-finite policy (core/non_finite.h): a NaN or Inf in q, or in K (its score)
+          // or V (O) of a token the row sees, makes the row NaN.
+          bool poisoned = visible > 0 && !all_finite(q, std::size_t(d));
           for (int pos = 0; pos < visible; ++pos) {
             double dot = 0.0;
             for (int c = 0; c < d; ++c) dot += double(q[c]) * k[std::size_t(pos) * d + c];
             s[pos] = dot * softmax_scale;
+            poisoned = poisoned || !std::isfinite(s[pos]);
             max_s = std::max(max_s, s[pos]);
           }
-          double sum = 0.0;
-          for (int pos = 0; pos < visible; ++pos) sum += std::exp(s[pos] - max_s);
           double* o = &result.o[(row * hq + head) * d];
-          for (int pos = 0; pos < visible; ++pos) {
-            const double w = std::exp(s[pos] - max_s) / sum;
-            for (int c = 0; c < d; ++c) o[c] += w * v[std::size_t(pos) * d + c];
+          double& lse = result.lse[row * hq + head];
+          if (visible == 0) continue;  // the empty row: O = 0, LSE = -inf
+          if (!poisoned) {
+            double sum = 0.0;
+            for (int pos = 0; pos < visible; ++pos) sum += std::exp(s[pos] - max_s);
+            for (int pos = 0; pos < visible; ++pos) {
+              const double w = std::exp(s[pos] - max_s) / sum;
+              for (int c = 0; c < d; ++c) o[c] += w * v[std::size_t(pos) * d + c];
+            }
+            lse = max_s + std::log(sum);
+            poisoned = !std::isfinite(lse) ||
+                       !std::all_of(o, o + d, [](double x) { return std::isfinite(x); });
           }
-          result.lse[row * hq + head] = max_s + std::log(sum);
+          if (poisoned) {
+            std::fill(o, o + d, std::numeric_limits<double>::quiet_NaN());
+            lse = std::numeric_limits<double>::quiet_NaN();
+          }
         }
       }
     }

@@ -214,4 +214,13 @@ const float* Problem::original_kv(int seq, int head, int position, int kv) const
                     ((std::size_t(position) * spec_.num_kv_heads + head) * 2 + kv) * d];
 }
 
+std::span<std::byte> Problem::kv_row_bytes(int seq, int head, int position, int kv) {
+  MJOLNIR_REQUIRE(seq >= 0 && seq < int(spec_.seq_lens.size()) && position >= 0 &&
+                      position < spec_.seq_lens[seq] && head >= 0 && head < spec_.num_kv_heads &&
+                      (kv == 0 || kv == 1),
+                  "kv_row_bytes: no row (", seq, ", ", head, ", ", position, ", ", kv, ")");
+  const int page = batch().page(seq, position / spec_.page_size);
+  return {cache().row(page, head, position % spec_.page_size, kv), geometry_.row_bytes()};
+}
+
 }  // namespace mjolnir::verify

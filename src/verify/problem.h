@@ -62,6 +62,10 @@ class Problem {
   // The float K or V written for (seq, head, position), before quantization; requires
   // keep_original_kv. kv: 0 = K, 1 = V. Returns D values.
   const float* original_kv(int seq, int head, int position, int kv) const;
+  // For tests that plant a value (a NaN in q, an Inf code in the cache): the queries
+  // [query rows, Hq, D], and the code bytes of one K (kv 0) or V (kv 1) row.
+  std::span<float> mutable_query() { return q_; }
+  std::span<std::byte> kv_row_bytes(int seq, int head, int position, int kv);
   // Fills o and lse (and their guard regions) with NaN so a row a backend forgot to write is
   // caught; guards_intact() then tells whether anything was written outside them.
   void poison_outputs();
