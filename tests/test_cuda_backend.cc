@@ -29,6 +29,7 @@
 #include "cuda/cuda_backend.h"
 #include "cuda/cuda_bench.h"
 #include "cuda/cuda_decode.h"
+#include "non_finite_cases.h"
 #include "reference/emulator_backend.h"
 #include "test_seed.h"
 #include "verify/case_matrix.h"
@@ -220,6 +221,16 @@ double rel_l2(const std::vector<float>& got, std::span<const float> want) {
 // partial slots of the split sequences) for a step where some sequences split and some do not:
 // the workspace workspace_bytes() sizes is all run() uses. The Python ops' first run on an
 // H200 (2026-12-04) failed here: run() laid the partials out for max_seqs x max_splits slots.
+// The non-finite policy on the device (docs/numerics.md): every format, mode and plan of
+// non_finite_cases.h, as test_cuda_emulated checks a few of them on CPU threads.
+TEST(CudaBackend, NonFiniteInputsPoisonExactlyTheRowsThatMeetThem) {
+  MJOLNIR_SKIP_WITHOUT_GPU();
+  const auto backend = cuda::make_staging_backend({});
+  for (const auto& config : testing::non_finite_configs()) {
+    testing::check_non_finite_policy(*backend, config, testing::test_seed() + 31);
+  }
+}
+
 TEST(CudaBackend, RunsAPlanWithExactlyItsPartialSlots) {
   MJOLNIR_SKIP_WITHOUT_GPU();
   verify::ProblemSpec spec = small_spec(testing::test_seed());

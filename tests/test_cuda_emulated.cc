@@ -25,6 +25,7 @@
 #include "cuda/step_layout.h"
 #include "cuda/write_kv_kernel.cuh"
 #include "mjolnir/write_kv.h"
+#include "non_finite_cases.h"
 #include "test_seed.h"
 #include "verify/case_matrix.h"
 
@@ -67,7 +68,7 @@ class EmulatedKernels final : public Backend {
     shape.decode_ctas = static_cast<int>(plan.items.size());
     shape.merge_ctas = plan.capacity.max_seqs * plan.q_len * args.params.num_q_heads;
     shape.score_tokens = std::max(plan.tile_tokens, score_tokens_);
-    shape.partial_slots = std::size_t(plan.capacity.max_seqs) * plan.capacity.max_splits;
+    shape.partial_slots = std::size_t(plan.partial_slots());  // as CudaBackend::run
     const DecodeConfig config =
         make_decode_config(args, args.cache.k_scale.data(), args.cache.v_scale.data(), step.data(),
                            workspace, shape, smem_limit_, kHopper, layout_limit_);
@@ -378,6 +379,35 @@ TEST(CudaEmulated, ManySplits) {
   };
   const Tally tally = run_all(cases, EmulatedKernels(kHopperSmem));
   EXPECT_EQ(tally.cases, int(cases.size()));
+}
+
+// The non-finite policy (docs/numerics.md) on both bodies and the merge kernel
+// (non_finite_cases.h): decode (tokens on M) and 5 query tokens x g 2 = 10 rows (plain), unsplit
+// and split. The kernels on CPU threads take about 6 s a configuration, so six are checked: each
+// format that has NaN or Inf codes, both bodies, every Q and P mode (three with
+// MJOLNIR_TEST_QUICK=1). MJOLNIR_TEST_NON_FINITE_ALL=1 checks all 72 (5 min).
+TEST(CudaEmulated, NonFiniteInputsPoisonExactlyTheRowsThatMeetThem) {
+  const EmulatedKernels backend(kHopperSmem);
+  const char* all = std::getenv("MJOLNIR_TEST_NON_FINITE_ALL");
+  std::vector<testing::NonFiniteConfig> configs = testing::non_finite_configs();
+  if (all == nullptr || std::string(all) != "1") {
+    configs = {{Format::bf16, QMode::fp32, PMode::fp32, 5, 1},
+               {Format::fp8_e5m2, QMode::bf16, PMode::fp32, 1, 3},
+               {Format::fp8_e4m3, QMode::fp8, PMode::fp8, 5, 3},
+               {Format::nvfp4, QMode::fp32, PMode::bf16, 1, 1},
+               {Format::fp16, QMode::fp8, PMode::fp32, 5, 3},
+               {Format::fp6_e2m3, QMode::bf16, PMode::fp8, 1, 3}};
+    // The ASan suite: the first three, both bodies still.
+    const char* quick = std::getenv("MJOLNIR_TEST_QUICK");
+    if (quick != nullptr && std::string(quick) == "1") configs.resize(3);
+  }
+  int bodies[2] = {};
+  for (const auto& config : configs) {
+    testing::check_non_finite_policy(backend, config, testing::test_seed() + 29);
+    ++bodies[backend.last_body == DecodeBody::tensor_core ? 1 : 0];
+  }
+  EXPECT_GT(bodies[0], 0);  // both bodies were checked
+  EXPECT_GT(bodies[1], 0);
 }
 
 // A device with less shared memory: the query rows no longer fit one pass.

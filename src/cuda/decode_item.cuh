@@ -107,7 +107,27 @@ class DecodeItem {
     return channel_scales() ? __fmul_rn(x, k_scale_at(c)) : x;
   }
 
-  // Step 1's scales. fp8 Q: sq = amax / 448 over all q_len * g rows and channels. Then
+  // Whether query row r (folded) holds a NaN or an Inf, which makes the row NaN (the
+  // non-finite policy, docs/numerics.md): the lanes of a warp scan it together; all 32 call it.
+  __device__ bool warp_row_poisoned(int r) const {
+    bool bad = false;
+    for (int c = threadIdx.x & 31; c < p_.head_dim; c += 32) bad |= !isfinite(folded_query(r, c));
+    return __any_sync(0xffffffffu, bad);
+  }
+
+  // flags[i] = 1 where row first + i is poisoned, 0 elsewhere, for i < count, a warp per row;
+  // then a barrier. Every thread of the CTA calls it. Such a row is staged as zeros.
+  template <int kThreads>
+  __device__ void mark_poisoned_rows(int first, int count, float* flags) const {
+    for (int i = threadIdx.x >> 5; i < count; i += kThreads / 32) {
+      const bool bad = warp_row_poisoned(first + i);
+      if ((threadIdx.x & 31) == 0) flags[i] = bad ? 1.0f : 0.0f;
+    }
+    __syncthreads();
+  }
+
+  // Step 1's scales. fp8 Q: sq = amax / 448 over all q_len * g rows and channels, poisoned rows
+  // left out (as if they were zero, so the other rows keep their codes). Then
   // score_scale = sq * k_outer * softmax_scale * log2(e), multiplied in that order as the
   // emulator does. Every thread of the CTA calls it; `reduce` holds 32 floats of shared memory.
   template <int kThreads>
@@ -115,9 +135,12 @@ class DecodeItem {
     QueryScales scales;
     if (static_cast<QMode>(p_.q_mode) == QMode::fp8) {
       float amax = 0.0f;
-      for (int e = threadIdx.x; e < p_.rows * p_.head_dim; e += kThreads) {
-        const int r = e / p_.head_dim;
-        amax = host_max(amax, fabsf(folded_query(r, e - r * p_.head_dim)));
+      for (int r = threadIdx.x >> 5; r < p_.rows; r += kThreads / 32) {
+        float row_max = 0.0f;
+        for (int c = threadIdx.x & 31; c < p_.head_dim; c += 32) {
+          row_max = host_max(row_max, fabsf(folded_query(r, c)));
+        }
+        if (!warp_row_poisoned(r)) amax = host_max(amax, row_max);
       }
       amax = block_max<kThreads>(amax, reduce);
       if (amax > 0.0f) scales.sq = __fdiv_rn(amax, kFp8Max);

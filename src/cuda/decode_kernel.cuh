@@ -105,6 +105,7 @@ class DecodeCta : DecodeItem {
     m_ = reinterpret_cast<float*>(smem + layout.m);
     l_ = reinterpret_cast<float*>(smem + layout.l);
     alpha_ = reinterpret_cast<float*>(smem + layout.alpha);
+    poisoned_ = reinterpret_cast<float*>(smem + layout.poisoned);
     reduce_ = reinterpret_cast<float*>(smem + layout.reduce);
   }
 
@@ -129,11 +130,14 @@ class DecodeCta : DecodeItem {
     score_scale_ = scales.score_scale;
   }
 
+  // The pass's rows of Q, a row with a NaN or an Inf as zeros (flagged in poisoned_).
   __device__ void load_query_rows() {
     const int d = p_.head_dim;
+    mark_poisoned_rows<kThreads>(pass_begin_, pass_rows_, poisoned_);
     for (int e = threadIdx.x; e < pass_rows_ * d; e += kThreads) {
       const int r = e / d, c = e - r * d;
-      q_[e] = round_query(folded_query(pass_begin_ + r, c), p_.q_mode, sq_);
+      q_[e] = poisoned_[r] != 0.0f ? 0.0f
+                                   : round_query(folded_query(pass_begin_ + r, c), p_.q_mode, sq_);
       acc_[e] = 0.0f;
     }
     for (int r = threadIdx.x; r < pass_rows_; r += kThreads) {
@@ -215,8 +219,9 @@ class DecodeCta : DecodeItem {
   }
 
   // Step 2: s = (sum_c q[c] k[c]) * score_scale for every (row, token) of the K sub-tile, summed
-  // in channel order; masked positions get -inf. Lanes take consecutive tokens (the padded dec_
-  // rows keep them on distinct banks) and share a row (Q broadcast).
+  // in channel order; masked positions get -inf, and a score that is not finite (a NaN or Inf
+  // in K) NaN, which softmax_tile turns into a poisoned row. Lanes take consecutive tokens (the
+  // padded dec_ rows keep them on distinct banks) and share a row (Q broadcast).
   __device__ void score_stage(const Stage& s) {
     const int first = sub_first(s), count = sub_count(s), d = p_.head_dim;
     const int column = first - tile_begin(s.tile);
@@ -234,6 +239,7 @@ class DecodeCta : DecodeItem {
 #pragma unroll 4
         for (int c = 0; c < d; ++c) dot = __fadd_rn(dot, __fmul_rn(q[c], k[c]));
         score = __fmul_rn(dot, score_scale_);
+        if (!isfinite(score)) score = NAN;
       }
       scores_[r * p_.score_stride + column + i] = score;
     }
@@ -247,11 +253,19 @@ class DecodeCta : DecodeItem {
     for (int r = threadIdx.x >> 5; r < pass_rows_; r += kWarps) {
       float* row = scores_ + r * p_.score_stride;
       float tile_max = -INFINITY;
-      for (int i = lane; i < n; i += 32) tile_max = fmaxf(tile_max, row[i]);
+      bool non_finite = false;  // a NaN score: the row is poisoned, l = NaN from here on
+      for (int i = lane; i < n; i += 32) {
+        tile_max = fmaxf(tile_max, row[i]);
+        non_finite |= isnan(row[i]);
+      }
       tile_max = warp_max(tile_max);
+      non_finite = __any_sync(0xffffffffu, non_finite);
       if (tile_max == -INFINITY) {
         for (int i = lane; i < n; i += 32) row[i] = 0.0f;
-        if (lane == 0) alpha_[r] = 1.0f;
+        if (lane == 0) {
+          alpha_[r] = 1.0f;
+          if (non_finite) l_[r] = NAN;
+        }
         continue;
       }
       const float m_old = m_[r];
@@ -265,7 +279,7 @@ class DecodeCta : DecodeItem {
         float tile_sum = 0.0f;  // the fp32 p, in token order (masked ones add +0)
         for (int i = 0; i < n; ++i) tile_sum = __fadd_rn(tile_sum, row[i]);
         const float alpha = exp2_rn(__fsub_rn(m_old, m_new));  // 0 on the row's first tile
-        l_[r] = __fadd_rn(__fmul_rn(l_[r], alpha), tile_sum);
+        l_[r] = non_finite ? NAN : __fadd_rn(__fmul_rn(l_[r], alpha), tile_sum);
         m_[r] = m_new;
         alpha_[r] = alpha;
       }
@@ -324,15 +338,29 @@ class DecodeCta : DecodeItem {
   }
 
   // Step 5: o = acc * v_scale * (1 / (l * p_scale)), lse = (m + log2 l) * ln 2; rows that saw
-  // nothing: O = 0, LSE = -inf.
+  // nothing: O = 0, LSE = -inf; poisoned rows that saw a token (a non-finite q, score or, in
+  // O, V value): O = LSE = NaN.
   __device__ void write_rows() {
     const int d = p_.head_dim;
     const float p_scale = static_cast<PMode>(p_.p_mode) == PMode::fp8 ? kFp8PScale : 1.0f;
+    const int lane = threadIdx.x & 31;
+    for (int r = threadIdx.x >> 5; r < pass_rows_; r += kWarps) {
+      bool non_finite = false;
+      for (int c = lane; c < d; c += 32) non_finite |= !isfinite(acc_[r * d + c]);
+      non_finite = __any_sync(0xffffffffu, non_finite);
+      if (lane == 0) {
+        const float l = l_[r];
+        poisoned_[r] = l != 0.0f && (non_finite || isnan(l) || poisoned_[r] != 0.0f) ? 1.0f : 0.0f;
+      }
+    }
+    __syncthreads();
     for (int e = threadIdx.x; e < pass_rows_ * d; e += kThreads) {
       const int r = e / d, c = e - r * d;
       const float l = l_[r];
       float value = 0.0f;
-      if (l != 0.0f) {
+      if (poisoned_[r] != 0.0f) {
+        value = NAN;
+      } else if (l != 0.0f) {
         const float inv_l = __fdiv_rn(1.0f, __fmul_rn(l, p_scale));
         value = __fmul_rn(__fmul_rn(acc_[e], v_scale_at(c)), inv_l);
       }
@@ -342,7 +370,9 @@ class DecodeCta : DecodeItem {
       float* lse = lse_slot(pass_begin_ + r);
       if (lse == nullptr) continue;
       const float l = l_[r];
-      *lse = l == 0.0f ? -INFINITY : __fmul_rn(__fadd_rn(m_[r], log2_rn(l)), kLn2);
+      *lse = poisoned_[r] != 0.0f ? NAN
+             : l == 0.0f          ? -INFINITY
+                                  : __fmul_rn(__fadd_rn(m_[r], log2_rn(l)), kLn2);
     }
   }
 
@@ -355,6 +385,7 @@ class DecodeCta : DecodeItem {
   float* m_ = nullptr;
   float* l_ = nullptr;
   float* alpha_ = nullptr;
+  float* poisoned_ = nullptr;
   float* reduce_ = nullptr;
   float sq_ = 1.0f;
   float score_scale_ = 0.0f;
@@ -423,9 +454,19 @@ static __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const Decod
                    ? nullptr
                    : p.lse + (std::int64_t(b) * p.q_len + t) * p.num_q_heads + h * p.group + j;
 
+  // A poisoned chunk (LSE NaN) poisons the row (the non-finite policy, docs/numerics.md).
+  float poisoned = 0.0f;
   float max_lse = -INFINITY;
   for (int s = tid; s < seq.num_splits; s += kMergeThreads) {
-    max_lse = host_max(max_lse, partial_lse[s * lse_step]);
+    const float x = partial_lse[s * lse_step];
+    max_lse = host_max(max_lse, x);
+    if (isnan(x)) poisoned = 1.0f;
+  }
+  poisoned = merge_block_reduce(poisoned, scratch, [](float a, float b) { return a > b ? a : b; });
+  if (poisoned != 0.0f) {
+    for (int c = tid; c < d; c += kMergeThreads) out[c] = NAN;
+    if (tid == 0 && lse != nullptr) *lse = NAN;
+    return;
   }
   max_lse = merge_block_reduce(max_lse, scratch, [](float a, float b) { return host_max(a, b); });
   if (max_lse == -INFINITY) {

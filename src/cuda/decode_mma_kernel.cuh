@@ -85,6 +85,7 @@ class MmaDecodeCta : DecodeItem {
     merge_m_ = reinterpret_cast<float*>(smem + layout.merge_m);
     merge_l_ = reinterpret_cast<float*>(smem + layout.merge_l);
     row_weight_ = reinterpret_cast<float*>(smem + layout.row_weight);
+    poisoned_ = reinterpret_cast<float*>(smem + layout.poisoned);
     reduce_ = reinterpret_cast<float*>(smem + layout.reduce);
     k_head_ = p.pool + std::int64_t(item.kv_head) * p.head_stride;
     token_stride_ = static_cast<std::uint32_t>(p.token_stride);
@@ -156,12 +157,16 @@ class MmaDecodeCta : DecodeItem {
   // (term, k-step j) of a lane (gid, tid) holds rows gid and gid + 8 at the channels c, c + 1
   // (a0, a1) and c + 2, c + 3 (a2, a3) of the lane's K slice for that k-step (k_operand), so the
   // dot product runs over a permutation of the channels that both operands share.
+  // A row with a NaN or an Inf is staged as zeros and flagged in poisoned_ (docs/numerics.md).
   __device__ void prepare_query() {
+    mark_poisoned_rows<kThreads>(0, p_.rows, poisoned_);
     const QueryScales scales = query_scales<kThreads>(reduce_);
     float amax = 0.0f;
     for (int e = threadIdx.x; e < kMmaRows * kHeadDim; e += kThreads) {
       const int r = e / kHeadDim, c = e - r * kHeadDim;
-      const float q = r < p_.rows ? round_query(folded_query(r, c), p_.q_mode, scales.sq) : 0.0f;
+      const float q = r < p_.rows && poisoned_[r] == 0.0f
+                          ? round_query(folded_query(r, c), p_.q_mode, scales.sq)
+                          : 0.0f;
       q_values_[e] = q;
       amax = host_max(amax, fabsf(q));
     }
@@ -517,11 +522,13 @@ class MmaDecodeCta : DecodeItem {
     float alpha[2];
     for (int ri = 0; ri < 2; ++ri) {
       float row_max = -INFINITY;
+      bool non_finite = false;
       for (int kb = 0; kb < 2; ++kb) {
         for (int i = 0; i < 2; ++i) {
           const int position = first + kb * 8 + tid * 2 + i;
           float& x = score[kb][2 * ri + i];
           x = position <= visible[ri] ? x * score_scale_ : -INFINITY;
+          non_finite |= position <= visible[ri] && !isfinite(x);
           row_max = fmaxf(row_max, x);
         }
       }
@@ -530,6 +537,7 @@ class MmaDecodeCta : DecodeItem {
       float row[4] = {score[0][2 * ri], score[0][2 * ri + 1], score[1][2 * ri],
                       score[1][2 * ri + 1]};
       alpha[ri] = online_softmax(row, row_max, s.m[ri], s.l[ri]);
+      if (non_finite) s.l[ri] = NAN;  // the lane's share: the row's sum is NaN from here on
       score[0][2 * ri] = row[0], score[0][2 * ri + 1] = row[1];
       score[1][2 * ri] = row[2], score[1][2 * ri + 1] = row[3];
     }
@@ -584,17 +592,20 @@ class MmaDecodeCta : DecodeItem {
     }
     float score[4];  // tokens 2tid, 2tid + 1 of n-block 0, then of n-block 1
     float row_max = -INFINITY;
+    bool non_finite = false;
     for (int kb = 0; kb < 2; ++kb) {
       for (int i = 0; i < 2; ++i) {
         const int position = first + kb * 8 + tid * 2 + i;
         const float x = acc[kb][i] + acc[kb][i + 2];
         score[2 * kb + i] = position <= visible ? x * score_scale_ : -INFINITY;
+        non_finite |= position <= visible && !isfinite(score[2 * kb + i]);
         row_max = fmaxf(row_max, score[2 * kb + i]);
       }
     }
     row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 1));
     row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 2));
     const float alpha = online_softmax(score, row_max, s.m[0], s.l[0]);
+    if (non_finite) s.l[0] = NAN;
     if (__any_sync(0xffffffffu, alpha != 1.0f)) {
 #pragma unroll
       for (int n = 0; n < kNBlocks; ++n) {
@@ -640,11 +651,13 @@ class MmaDecodeCta : DecodeItem {
     // Lane (gid, tid): tokens gid (c0 term 0, c1 term 1) and gid + 8 (c2, c3) of row tid.
     float score[2];
     float row_max = -INFINITY;
+    bool non_finite = false;
     for (int half = 0; half < 2; ++half) {
       const int position = first + 8 * half + gid;
       const float x =
           (acc[0][2 * half] + acc[1][2 * half]) + (acc[0][2 * half + 1] + acc[1][2 * half + 1]);
       score[half] = position <= visible ? x * score_scale_ : -INFINITY;
+      non_finite |= position <= visible && !isfinite(score[half]);
       row_max = fmaxf(row_max, score[half]);
     }
     for (int mask = 4; mask < 32; mask <<= 1) {
@@ -652,6 +665,7 @@ class MmaDecodeCta : DecodeItem {
     }
     // l: the lane's share of the row's sum; the lanes' shares are added in publish_tokens_on_m.
     const float alpha = online_softmax(score, row_max, s.m[0], s.l[0]);
+    if (non_finite) s.l[0] = NAN;
     if (__any_sync(0xffffffffu, alpha != 1.0f)) {
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt) {
@@ -738,12 +752,22 @@ class MmaDecodeCta : DecodeItem {
 
   // The four warps' states merged per row (the LSE merge of step 6 inside the CTA), then
   // step 5: o = acc * v_scale / l, lse = (m + log2 l) * ln 2; rows that saw nothing: O = 0,
-  // LSE = -inf.
+  // LSE = -inf; poisoned rows that saw a token (a non-finite q, score, or V value in O): NaN.
   __device__ void merge_and_write(WarpState& s) {
     if (layout_ == MmaLayout::tokens_on_m) {
       publish_tokens_on_m(s);
     } else {
       publish_rows_on_m(s);
+    }
+    __syncthreads();
+    // A non-finite V value shows in a warp's O: a warp per row looks.
+    for (int r = threadIdx.x >> 5; r < p_.rows; r += kWarps) {
+      bool non_finite = false;
+      for (int e = lane(); e < kWarps * kHeadDim; e += 32) {
+        const int w = e / kHeadDim, c = e - w * kHeadDim;
+        non_finite |= !isfinite(merge_o_[(w * kMmaRows + r) * kHeadDim + c]);
+      }
+      if (__any_sync(0xffffffffu, non_finite) && lane() == 0) poisoned_[r] = 1.0f;
     }
     __syncthreads();
     // Per row: the warps' weights exp2(m_w - M) / L, kept in row_weight_.
@@ -754,6 +778,15 @@ class MmaDecodeCta : DecodeItem {
       for (int w = 0; w < kWarps; ++w) {
         weights[w] = m == -INFINITY ? 0.0f : exp2f(merge_m_[w * kMmaRows + r] - m);
         total += weights[w] * merge_l_[w * kMmaRows + r];
+      }
+      // A warp that saw a non-finite score left l NaN (its weight may be 0: m is the max).
+      bool nan_l = false;
+      for (int w = 0; w < kWarps; ++w) nan_l |= isnan(merge_l_[w * kMmaRows + r]);
+      const bool seen = total != 0.0f || nan_l;
+      if (seen && (nan_l || isnan(total) || poisoned_[r] != 0.0f)) {
+        for (int w = 0; w < kWarps; ++w) row_weight_[w * kMmaRows + r] = NAN;
+        if (float* lse = lse_slot(r)) *lse = NAN;
+        continue;
       }
       const float inv_l = total > 0.0f ? __fdiv_rn(1.0f, total) : 0.0f;
       for (int w = 0; w < kWarps; ++w) row_weight_[w * kMmaRows + r] = weights[w] * inv_l;
@@ -776,6 +809,7 @@ class MmaDecodeCta : DecodeItem {
   float* merge_m_ = nullptr;
   float* merge_l_ = nullptr;
   float* row_weight_ = nullptr;
+  float* poisoned_ = nullptr;
   float* reduce_ = nullptr;
   float score_scale_ = 0.0f;
   int q_terms_ = 1;

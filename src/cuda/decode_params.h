@@ -86,6 +86,7 @@ struct DecodeSmem {
   std::size_t acc = 0;     // [pass_rows][D] floats: O accumulators
   std::size_t scores = 0;  // [pass_rows][score_stride] floats: scores, then P, of one tile
   std::size_t m = 0, l = 0, alpha = 0;  // [pass_rows] floats each
+  std::size_t poisoned = 0;             // [pass_rows] floats: 1 where the row is NaN
   std::size_t reduce = 0;               // [32] floats
   std::size_t bytes = 0;
 };
@@ -107,6 +108,7 @@ MJOLNIR_HOST_DEVICE constexpr DecodeSmem decode_smem(int pass_rows, int head_dim
   s.m = take(std::size_t(pass_rows) * sizeof(float));
   s.l = take(std::size_t(pass_rows) * sizeof(float));
   s.alpha = take(std::size_t(pass_rows) * sizeof(float));
+  s.poisoned = take(std::size_t(pass_rows) * sizeof(float));
   s.reduce = take(32 * sizeof(float));
   s.bytes = at;
   return s;
@@ -163,6 +165,7 @@ struct MmaSmem {
   std::size_t merge_m = 0;     // [4][16] floats
   std::size_t merge_l = 0;     // [4][16] floats
   std::size_t row_weight = 0;  // [4][16] floats
+  std::size_t poisoned = 0;    // [16] floats: 1 where the row is NaN
   std::size_t reduce = 0;      // [32] floats
   std::size_t bytes = 0;
 };
@@ -186,6 +189,7 @@ MJOLNIR_HOST_DEVICE constexpr MmaSmem mma_smem(int head_dim) {
   s.merge_m = take(warps * kMmaRows * sizeof(float));
   s.merge_l = take(warps * kMmaRows * sizeof(float));
   s.row_weight = take(warps * kMmaRows * sizeof(float));
+  s.poisoned = take(kMmaRows * sizeof(float));
   s.reduce = take(32 * sizeof(float));
   s.bytes = at;
   return s;

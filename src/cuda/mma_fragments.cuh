@@ -39,7 +39,13 @@ template <MmaType kType>
 __device__ __forceinline__ std::uint32_t pack2(float lo, float hi) {
 #if defined(MJOLNIR_CUDA_EMULATION)
   constexpr MinifloatSpec kSpec = kType == MmaType::f16 ? kFp16Spec : kBf16Spec;
-  return encode_minifloat<kSpec>(lo) | encode_minifloat<kSpec>(hi) << 16;
+  // The hardware conversion keeps an infinity, which encode_minifloat saturates (a K or V
+  // value of Inf must stay one: the non-finite policy, docs/numerics.md).
+  const auto code = [&](float x) {
+    if (!std::isinf(x)) return encode_minifloat<kSpec>(x);
+    return (x < 0 ? kSpec.sign_mask() : 0u) | kSpec.max_exponent_field() << kSpec.mantissa_bits;
+  };
+  return code(lo) | code(hi) << 16;
 #else
   if constexpr (kType == MmaType::f16) {
     const __half2 h = __floats2half2_rn(lo, hi);
