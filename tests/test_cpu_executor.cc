@@ -1,11 +1,14 @@
 // Where the CPU backend runs: its own threads, an executor the host program hands it (a serving
 // engine's pool), and a process forked after the backend was made (vLLM starts its workers so).
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdio>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "expect_error.h"
@@ -95,6 +98,52 @@ TEST(CpuExecutor, ABackendMadeBeforeForkWorksInTheChild) {
   EXPECT_EQ(WEXITSTATUS(status), 0) << "the child's output differs from the parent's";
   // And the parent's backend still works after the fork.
   EXPECT_EQ(decode_with(*backend, problem), parent);
+}
+
+// Address space the process maps now (/proc/self/statm), in bytes.
+std::size_t mapped_bytes() {
+  unsigned long pages = 0;
+  if (std::FILE* f = std::fopen("/proc/self/statm", "r")) {
+    if (std::fscanf(f, "%lu", &pages) != 1) pages = 0;
+    std::fclose(f);
+  }
+  return std::size_t(pages) * std::size_t(sysconf(_SC_PAGESIZE));
+}
+
+// A worker thread the system cannot start (here: no address space left for its stack) is an
+// Error that says so, not std::terminate from the threads that did start; the next call may try
+// again. In a child process, whose address space is capped 256 MiB above what it maps (63 threads
+// want 8 MiB of stack each). Not under the sanitizers, which map terabytes of shadow.
+TEST(CpuExecutor, AThreadThatCannotStartIsAnErrorNotACrash) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "the sanitizers' shadow memory does not fit an address-space limit";
+#endif
+  const auto backend = make_backend("cpu", {.threads = 64});
+  verify::ProblemSpec small = spec();
+  small.seq_lens = {300, 20};
+  verify::Problem problem(small);
+  const pid_t child = fork();
+  ASSERT_GE(child, 0) << std::strerror(errno);
+  if (child == 0) {
+    alarm(60);
+    const rlimit limit{mapped_bytes() + (std::size_t(256) << 20), RLIM_INFINITY};
+    if (setrlimit(RLIMIT_AS, &limit) != 0) _exit(6);
+    try {
+      decode_with(*backend, problem);
+      _exit(3);  // every thread started: the limit did not bite
+    } catch (const Error& e) {
+      _exit(std::string(e.what()).starts_with("threads: the CPU backend could start only") ? 0 : 4);
+    } catch (...) {
+      _exit(5);
+    }
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status)) << "the child was killed by signal "
+                                 << (WIFSIGNALED(status) ? WTERMSIG(status) : 0)
+                                 << " (SIGABRT: std::terminate; SIGALRM: a hang)";
+  EXPECT_EQ(WEXITSTATUS(status), 0)
+      << "3: no error, 4: another message, 5: another exception, 6: setrlimit failed";
 }
 
 }  // namespace

@@ -7,8 +7,11 @@
 #include <chrono>
 #include <condition_variable>
 #include <exception>
+#include <system_error>
 #include <thread>
 #include <vector>
+
+#include "mjolnir/error.h"
 
 namespace mjolnir::cpu {
 
@@ -35,16 +38,29 @@ bool spin_while(Busy busy) {
 int hardware_threads() { return std::max(1u, std::thread::hardware_concurrency()); }
 
 struct ThreadPool::Crew {
+  // A thread the system cannot start (out of memory for its stack, a limit on threads) is an
+  // Error naming the count, after the ones that did start are stopped and joined: leaving the
+  // constructor with joinable threads would end the process (std::terminate).
   explicit Crew(int threads) : threads(threads) {
-    for (int w = 1; w < threads; ++w) workers.emplace_back([this, w] { worker_loop(w); });
+    try {
+      for (int w = 1; w < threads; ++w) workers.emplace_back([this, w] { worker_loop(w); });
+    } catch (const std::system_error& e) {
+      const std::size_t started = workers.size();
+      stop_and_join();
+      MJOLNIR_REQUIRE(false, "threads: the CPU backend could start only ", started + 1, " of ",
+                      threads, " threads (", e.what(), "); ask for fewer threads");
+    }
   }
-  ~Crew() {
+  ~Crew() { stop_and_join(); }
+
+  void stop_and_join() {
     {
       std::lock_guard lock(mutex);
       stop.store(true);
     }
     wake.notify_all();
     for (std::thread& t : workers) t.join();
+    workers.clear();
   }
 
   void run_share(int worker) {
