@@ -149,3 +149,35 @@ def test_plan_rejects(gen):
         torch.ops.mjolnir.plan(torch.tensor([3, 4]), 1, 2)
     with pytest.raises(ValueError, match=r"q_len"):
         torch.ops.mjolnir.plan(torch.tensor([3, 4], dtype=torch.int32), 0, 2)
+
+
+_THREADS_CHILD = r"""
+import resource, sys, torch, mjolnir
+from _reference import make_cache
+cache = make_cache("2BNHD", "bf16", 4, 16, 2, 64)
+args = dict(q=torch.randn(1, 4, 64), kv_cache=cache, block_table=torch.tensor([[0, 1]], dtype=torch.int32),
+            seq_lens=torch.tensor([20], dtype=torch.int32), k_scale=torch.ones(1),
+            v_scale=torch.ones(1), kv_format="bf16", threads=64)
+mapped = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
+resource.setrlimit(resource.RLIMIT_AS, (mapped + (256 << 20), resource.RLIM_INFINITY))
+try:
+    torch.ops.mjolnir.decode(**args)
+except Exception as e:
+    print(type(e).__name__, e)
+    sys.exit(0)
+print("no error")
+"""
+
+
+def test_threads_that_cannot_start_are_an_error_not_a_hang(tmp_path):
+    """A CPU backend whose worker threads the system cannot start (no address space for their
+    stacks, here: a child process capped 256 MiB above its mappings, asking for 64 threads) fails
+    the call with an error that says so, and the process goes on; it used to hang."""
+    import os
+    import subprocess
+    import sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    result = subprocess.run([sys.executable, "-c", _THREADS_CHILD], cwd=here, timeout=120,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "threads: the CPU backend could start only" in result.stdout, result.stdout
