@@ -117,6 +117,8 @@ std::size_t mapped_bytes() {
 TEST(CpuExecutor, AThreadThatCannotStartIsAnErrorNotACrash) {
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
   GTEST_SKIP() << "the sanitizers' shadow memory does not fit an address-space limit";
+#elif defined(MJOLNIR_TEST_UNDER_EMULATOR)
+  GTEST_SKIP() << "under qemu the address-space limit would cap the emulator too";
 #endif
   const auto backend = make_backend("cpu", {.threads = 64});
   verify::ProblemSpec small = spec();
