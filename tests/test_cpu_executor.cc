@@ -112,15 +112,16 @@ std::size_t mapped_bytes() {
 
 // A worker thread the system cannot start (here: no address space left for its stack) is an
 // Error that says so, not std::terminate from the threads that did start; the next call may try
-// again. In a child process, whose address space is capped 256 MiB above what it maps (63 threads
-// want 8 MiB of stack each). Not under the sanitizers, which map terabytes of shadow.
+// again. In a child process, whose address space is capped 128 MiB above what it maps: 511
+// threads want at least 2 MiB of stack each (glibc's least default; 8 MiB with the usual
+// `ulimit -s`). Not under the sanitizers, which map terabytes of shadow, nor qemu.
 TEST(CpuExecutor, AThreadThatCannotStartIsAnErrorNotACrash) {
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
   GTEST_SKIP() << "the sanitizers' shadow memory does not fit an address-space limit";
 #elif defined(MJOLNIR_TEST_UNDER_EMULATOR)
   GTEST_SKIP() << "under qemu the address-space limit would cap the emulator too";
 #endif
-  const auto backend = make_backend("cpu", {.threads = 64});
+  const auto backend = make_backend("cpu", {.threads = 512});
   verify::ProblemSpec small = spec();
   small.seq_lens = {300, 20};
   verify::Problem problem(small);
@@ -128,7 +129,7 @@ TEST(CpuExecutor, AThreadThatCannotStartIsAnErrorNotACrash) {
   ASSERT_GE(child, 0) << std::strerror(errno);
   if (child == 0) {
     alarm(60);
-    const rlimit limit{mapped_bytes() + (std::size_t(256) << 20), RLIM_INFINITY};
+    const rlimit limit{mapped_bytes() + (std::size_t(128) << 20), RLIM_INFINITY};
     if (setrlimit(RLIMIT_AS, &limit) != 0) _exit(6);
     try {
       decode_with(*backend, problem);

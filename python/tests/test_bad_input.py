@@ -157,9 +157,9 @@ from _reference import make_cache
 cache = make_cache("2BNHD", "bf16", 4, 16, 2, 64)
 args = dict(q=torch.randn(1, 4, 64), kv_cache=cache, block_table=torch.tensor([[0, 1]], dtype=torch.int32),
             seq_lens=torch.tensor([20], dtype=torch.int32), k_scale=torch.ones(1),
-            v_scale=torch.ones(1), kv_format="bf16", threads=64)
+            v_scale=torch.ones(1), kv_format="bf16", threads=512)
 mapped = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
-resource.setrlimit(resource.RLIMIT_AS, (mapped + (256 << 20), resource.RLIM_INFINITY))
+resource.setrlimit(resource.RLIMIT_AS, (mapped + (128 << 20), resource.RLIM_INFINITY))
 try:
     torch.ops.mjolnir.decode(**args)
 except Exception as e:
@@ -171,7 +171,7 @@ print("no error")
 
 def test_threads_that_cannot_start_are_an_error_not_a_hang(tmp_path):
     """A CPU backend whose worker threads the system cannot start (no address space for their
-    stacks, here: a child process capped 256 MiB above its mappings, asking for 64 threads) fails
+    stacks, here: a child process capped 128 MiB above its mappings, asking for 512 threads) fails
     the call with an error that says so, and the process goes on; it used to hang."""
     import os
     import subprocess
