@@ -11,14 +11,14 @@ namespace mjolnir::cpu {
 
 // Per-thread buffers, sized on first use and reused across items.
 struct ItemScratch {
-  std::vector<float> q;       // [rows, D] prepared Q
-  std::vector<float> k_tile;  // [T, D] decoded K
-  std::vector<float> v_tile;  // [T, D] decoded V
-  std::vector<float> scores;  // [rows, T]
-  std::vector<float> m, l;    // [rows] running max (log2 units) and sum
-  std::vector<float> acc;     // [rows, D]
-  std::vector<float> o;       // [rows, D] normalized output of the item
-  std::vector<float> lse;     // [rows]
+  std::vector<float> q;                    // [rows, D] prepared Q
+  std::vector<float> k_tile;               // [T, D] decoded K
+  std::vector<float> v_tile;               // [T, D] decoded V
+  std::vector<float> scores;               // [rows, T]
+  std::vector<float> m, l;                 // [rows] running max (log2 units) and sum
+  std::vector<float> acc;                  // [rows, D]
+  std::vector<float> o;                    // [rows, D] normalized output of the item
+  std::vector<float> lse;                  // [rows]
   std::vector<char> q_poisoned, poisoned;  // [rows] non-finite q; non-finite q or K seen
 };
 

@@ -34,25 +34,6 @@ struct RowState {
   float* alpha;  // [R] this tile's rescale of the accumulator
 };
 
-// Whether the first `live` scores at s (64-byte aligned, readable to a whole vector) are all
-// finite. A NaN or an infinity there is a non-finite q . k, which poisons the row
-// (core/non_finite.h). x - x is 0 for a finite x and NaN otherwise: two ops a vector of tokens.
-HWY_INLINE bool AllFinite(const float* HWY_RESTRICT s, int live) {
-  const WideFloatTag df;
-  const int n = int(hn::Lanes(df));
-  auto sum = hn::Zero(df);
-  int i = 0;
-  for (; i + n <= live; i += n) {
-    const auto v = hn::Load(df, s + i);
-    sum = hn::Add(sum, hn::Sub(v, v));
-  }
-  if (i < live) {
-    const auto v = hn::IfThenElseZero(hn::FirstN(df, std::size_t(live - i)), hn::Load(df, s + i));
-    sum = hn::Add(sum, hn::Sub(v, v));
-  }
-  return hn::AllFalse(df, hn::IsNaN(sum));
-}
-
 // Tokens of the tile [first, first + count) that row r may see.
 HWY_INLINE int LiveTokens(const ItemContext& it, int r, int first, int count) {
   const int t = r / it.g;
@@ -81,7 +62,7 @@ HWY_INLINE void SoftmaxRow(const ItemContext& it, int r, float* HWY_RESTRICT sco
     std::fill(p, p + padded, 0.0f);
     return;
   }
-  const bool finite = AllFinite(s, live);
+  const bool finite = FiniteValues(s, std::size_t(live));  // else a non-finite q . k
   std::fill(s + live, s + padded, -std::numeric_limits<float>::infinity());
   auto vmax = hn::Set(df, -std::numeric_limits<float>::infinity());
   for (std::size_t i = 0; i < padded; i += n) vmax = hn::Max(vmax, hn::Load(df, s + i));
@@ -142,7 +123,7 @@ HWY_INLINE void SoftmaxRows4(int r, float* HWY_RESTRICT scores, float* HWY_RESTR
   for (int j = 0; j < 4; ++j) {
     s[j] = scores + std::size_t(r + j) * stride;
     p[j] = probs + std::size_t(r + j) * stride;
-    finite[j] = AllFinite(s[j], live[j]);
+    finite[j] = FiniteValues(s[j], std::size_t(live[j]));
     std::fill(s[j] + live[j], s[j] + padded, -std::numeric_limits<float>::infinity());
   }
   // Four named vectors, not arrays: SVE's sizeless vectors cannot be array elements.

@@ -43,21 +43,7 @@ bool AllFinite(std::span<const float> values) {
 
 #else
 
-// Finite floats have an exponent field below all ones: the largest field over the row decides.
-bool AllFinite(std::span<const float> values) {
-  const hn::ScalableTag<std::uint32_t> du;
-  const std::size_t n = hn::Lanes(du);
-  const auto exponent = hn::Set(du, 0x7F800000u);
-  auto largest = hn::Zero(du);
-  std::size_t c = 0;
-  for (; c + n <= values.size(); c += n) {
-    const auto bits = hn::BitCast(du, hn::LoadU(hn::RebindToFloat<decltype(du)>(), &values[c]));
-    largest = hn::Max(largest, hn::And(bits, exponent));
-  }
-  bool finite = hn::GetLane(hn::MaxOfLanes(du, largest)) != 0x7F800000u;
-  for (; c < values.size(); ++c) finite = finite && std::isfinite(values[c]);
-  return finite;
-}
+bool AllFinite(std::span<const float> values) { return FiniteValues(values.data(), values.size()); }
 
 using FloatTag = hn::CappedTag<float, 16>;
 

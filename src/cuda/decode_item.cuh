@@ -135,12 +135,15 @@ class DecodeItem {
     QueryScales scales;
     if (static_cast<QMode>(p_.q_mode) == QMode::fp8) {
       float amax = 0.0f;
-      for (int r = threadIdx.x >> 5; r < p_.rows; r += kThreads / 32) {
+      for (int r = threadIdx.x >> 5; r < p_.rows; r += kThreads / 32) {  // a warp per row
         float row_max = 0.0f;
+        bool bad = false;
         for (int c = threadIdx.x & 31; c < p_.head_dim; c += 32) {
-          row_max = host_max(row_max, fabsf(folded_query(r, c)));
+          const float x = folded_query(r, c);
+          row_max = host_max(row_max, fabsf(x));
+          bad |= !isfinite(x);
         }
-        if (!warp_row_poisoned(r)) amax = host_max(amax, row_max);
+        if (!__any_sync(0xffffffffu, bad)) amax = host_max(amax, row_max);
       }
       amax = block_max<kThreads>(amax, reduce);
       if (amax > 0.0f) scales.sq = __fdiv_rn(amax, kFp8Max);
