@@ -85,7 +85,7 @@ inline std::vector<NonFiniteConfig> non_finite_configs() {
   std::vector<NonFiniteConfig> out;
   int i = 0;
   for (Format f : kAllFormats) {
-    for (QMode q : {QMode::fp32, QMode::bf16, QMode::fp8}) {
+    for (QMode q : {QMode::fp32, QMode::bf16, QMode::fp8, QMode::int8}) {
       for (PMode p : {PMode::fp32, PMode::bf16, PMode::fp8}) {
         out.push_back({f, q, p, shapes[i % 4][0], shapes[i % 4][1]});
         ++i;

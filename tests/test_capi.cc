@@ -1073,7 +1073,7 @@ TEST(CapiDecode, WorkspaceSizeEqualsTheBackendsAndRejectsBadArguments) {
   expect_failure(mjolnir_workspace_size(cpu.get(), plan.get(), c, &bad, &bytes),
                  MJOLNIR_ERROR_INVALID_ARGUMENT, fn, "params->num_q_heads");
   bad = p;
-  bad.q_mode = 3;
+  bad.q_mode = 4;
   expect_failure(mjolnir_workspace_size(cpu.get(), plan.get(), c, &bad, &bytes),
                  MJOLNIR_ERROR_INVALID_ARGUMENT, fn, "params->q_mode");
   bad = p;

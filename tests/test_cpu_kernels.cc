@@ -500,7 +500,7 @@ TEST_P(CpuKernelMatrix, OddShapesMatchEmulator) {
         s.num_kv_heads = 1 + index % 2;
         s.params.q_len = 1 + index % 3;
         s.params.causal = index % 2 == 0;
-        s.params.q_mode = QMode(index % 3);
+        s.params.q_mode = QMode(index % 4);  // every Q mode, int8 too
         s.params.p_mode = p_mode;
         s.granularity = ScaleGranularity(index % 3);
         s.seed = rng();
@@ -602,6 +602,60 @@ TEST(CpuBf16Dot, MatchesEmulator) {
           EXPECT_EQ(cpu::bf16_dot_items(), before) << c.name() << " ran on them";
         }
       });
+  cpu::set_amx_enabled(amx);
+}
+
+// Q . K in integers (Q mode int8 against fp4_e2m1 codes, VNNI) against the emulator: group
+// sizes and q_len that exercise the 4-row blocks, leftover rows and key groups of fewer than 4,
+// D of 1 and 2 chunks of 128 channels (and 64 and 192, which stay on the other paths), every
+// scale granularity and layout, split or not, P in fp32 and bf16. Integer scores are the
+// emulator's bit for bit, so even with P bf16 rounded from the kernel's own scores no P code may
+// differ: those cases must match within the fp32 summation tolerance (1e-5), not bf16 P's 2^-8.
+TEST(CpuInt8Dot, MatchesEmulator) {
+  if (!cpu::cpu_has_int8_dot()) {
+    GTEST_SKIP() << "the dispatched target (" << cpu::kernel_target()
+                 << ") or this CPU has no AVX512_VNNI integer dot products";
+  }
+  // From 8 query rows the AMX tiles take Q . K where the CPU has them; not here.
+  const bool amx = cpu::amx_enabled();
+  cpu::set_amx_enabled(false);
+  const auto backend = make_backend("cpu", BackendOptions{.threads = 2});
+  std::mt19937_64 rng(mjolnir::testing::test_seed() + 37);
+  const int shapes[][2] = {{1, 1}, {4, 1}, {8, 1}, {3, 2}, {4, 4}, {5, 3}, {16, 2}};
+  int index = 0;
+  for (const PMode p_mode : {PMode::fp32, PMode::bf16}) {
+    for (const int d : {64, 128, 192, 256}) {
+      for (const auto [g, q_len] : shapes) {
+        verify::Case c;
+        verify::ProblemSpec& s = c.spec;
+        s.format = Format::fp4_e2m1;
+        s.layout = kAllLayouts[index % 6];
+        s.page_size = 8 << (index % 4);
+        s.head_dim = d;
+        s.group = g;
+        s.num_kv_heads = 1 + index % 3;
+        s.params.q_len = q_len;
+        s.params.causal = index % 2 == 0;
+        s.params.q_mode = QMode::int8;
+        s.params.p_mode = p_mode;
+        s.granularity = ScaleGranularity(index % 3);
+        s.seed = rng();
+        c.tile_tokens = 16 << (index % 3);
+        c.splits = 1 + index % 2;
+        s.seq_lens = {q_len, 113, 301, s.page_size + 1};
+        ++index;
+        const std::uint64_t before = cpu::int8_dot_items();
+        const verify::CaseResult r = verify::run_case(c, *backend);
+        EXPECT_NE(r.status, verify::CaseResult::Status::failed) << c.name() << ": " << r.message;
+        EXPECT_LE(r.error_vs_emulator, 1e-5) << c.name() << ": a P code differs";
+        if (d % 128 == 0) {
+          EXPECT_GT(cpu::int8_dot_items(), before) << c.name() << " did not run in integers";
+        } else {
+          EXPECT_EQ(cpu::int8_dot_items(), before) << c.name() << " ran in integers";
+        }
+      }
+    }
+  }
   cpu::set_amx_enabled(amx);
 }
 
@@ -764,7 +818,7 @@ TEST_P(CpuKernelMatrix, FewChunksCutForThreadsMatchEmulator) {
           s.params.q_len = std::min(len, 1 + index % 3);
           s.params.causal = index % 2 == 1;
           s.params.p_mode = p_mode;
-          s.params.q_mode = QMode(index % 3);
+          s.params.q_mode = QMode(index % 4);  // every Q mode, int8 too
           s.granularity = ScaleGranularity(index % 3);
           s.seed = rng();
           s.seq_lens = {len};

@@ -200,12 +200,14 @@ TEST(CudaEmulated, OddShapes) {
   }
   cases.push_back(odd_case(Format::nvfp4, Layout::B2NHD, 16, 96, 2, 2, true, 2, 32, QMode::fp32,
                            PMode::bf16, ScaleGranularity::head, {77, 20}, seed++));
+  cases.push_back(odd_case(Format::fp6_e3m2, Layout::BNH2D, 16, 96, 3, 2, true, 2, 16, QMode::int8,
+                           PMode::bf16, ScaleGranularity::channel, {70, 5}, seed++));
   run_all(cases, EmulatedKernels(kHopperSmem, 128));
 }
 
 // The tensor-core body (fp32 P): every format (fp8, 16-bit, fp6, fp4, nvfp4), D 64 / 128 / 256,
-// 1 to 16 query rows, every Q mode, causal and not, splits, partial last steps, layouts and
-// scale granularities.
+// 1 to 16 query rows, every Q mode (int8 too), causal and not, splits, partial last steps, layouts
+// and scale granularities.
 TEST(CudaEmulated, TensorCoreBody) {
   std::uint64_t seed = testing::test_seed() + 11;
   const std::vector<verify::Case> cases = {
@@ -246,6 +248,13 @@ TEST(CudaEmulated, TensorCoreBody) {
                ScaleGranularity::head, {150, 31}, seed++),
       odd_case(Format::fp8_e4m3, Layout::B2NHD, 16, 128, 2, 2, true, 2, 64, QMode::fp8, PMode::fp32,
                ScaleGranularity::channel, {211, 2}, seed++),
+      // int8 Q: integer codes, exact in either operand type.
+      odd_case(Format::fp4_e2m1, Layout::B2NHD, 16, 128, 4, 1, true, 2, 64, QMode::int8,
+               PMode::fp32, ScaleGranularity::head, {190, 7}, seed++),
+      odd_case(Format::nvfp4, Layout::BHN2D, 16, 128, 8, 1, true, 1, 64, QMode::int8, PMode::fp32,
+               ScaleGranularity::channel, {120, 40}, seed++),
+      odd_case(Format::fp6_e2m3, Layout::_2BHND, 32, 128, 2, 3, false, 3, 32, QMode::int8,
+               PMode::fp32, ScaleGranularity::tensor, {99, 3}, seed++),
   };
   const Tally tally = run_all(cases, EmulatedKernels(kHopperSmem));
   EXPECT_EQ(tally.tensor_core, int(cases.size()));

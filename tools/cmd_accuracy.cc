@@ -26,7 +26,7 @@ namespace {
 
 constexpr verify::BlockFormat kBlockFormats[] = {verify::BlockFormat::q8_0,
                                                  verify::BlockFormat::q4_0};
-constexpr QMode kQModes[] = {QMode::fp32, QMode::bf16, QMode::fp8};
+constexpr QMode kQModes[] = {QMode::fp32, QMode::bf16, QMode::fp8, QMode::int8};
 constexpr PMode kPModes[] = {PMode::fp32, PMode::bf16, PMode::fp8};
 constexpr ScaleGranularity kGranularities[] = {ScaleGranularity::tensor, ScaleGranularity::head,
                                                ScaleGranularity::channel};

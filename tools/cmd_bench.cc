@@ -429,7 +429,7 @@ CLI::App* add_bench_command(CLI::App& app, BenchOptions& options) {
                   "one, docs/accuracy.md)");
   cmd->add_option("--q-mode", options.q_mode,
                   "Q numerics: auto (the backend's choice for a bf16 model's queries), fp32, "
-                  "bf16, fp8")
+                  "bf16, fp8, int8")
       ->capture_default_str();
   cmd->add_option("--p-mode", options.p_mode,
                   "P numerics: auto (the backend's choice), fp32, bf16, fp8")

@@ -74,6 +74,29 @@ namespace {
   MJ_DOT_ROW("128", "192", "%%zmm4", "%%zmm5", "%%zmm6", "%%zmm7")   \
   MJ_DOT_ROW("256", "320", "%%zmm8", "%%zmm9", "%%zmm10", "%%zmm11") \
   MJ_DOT_ROW("384", "448", "%%zmm12", "%%zmm13", "%%zmm14", "%%zmm15")
+// Q . K in integers (Q mode int8, int8_dot-inl.h) on 4 keys x 128 e2m1 channels: each key's 64
+// code bytes split into nibbles (a load, two ands, a shift) and looked up by two vpshufb (24
+// vector ops; zmm27 stands in for the table, zmm31 for the nibble mask).
+#define MJ_DECODE_INT(off, even, odd)                                                         \
+  "vmovdqu8 " off "(%2), %%zmm24\n vpandd " off "(%2), %%zmm31, " even "\n vpsrlw $4, "       \
+  "%%zmm24, %%zmm24\n vpandd %%zmm31, %%zmm24, %%zmm24\n vpshufb " even ", %%zmm27, " even    \
+  "\n vpshufb %%zmm24, %%zmm27, " odd "\n"
+#define MJ_DECODE_INT_4_KEYS                   \
+  MJ_DECODE_INT("0", "%%zmm16", "%%zmm20")   \
+  MJ_DECODE_INT("64", "%%zmm17", "%%zmm21")  \
+  MJ_DECODE_INT("128", "%%zmm18", "%%zmm22") \
+  MJ_DECODE_INT("192", "%%zmm19", "%%zmm23")
+// ... and its 32 vpdpbusd: 4 query rows (2 vectors of 64 signed bytes each, from memory) x 4 keys.
+#define MJ_INT_ROW(q0, q1, a0, a1, a2, a3)                                                       \
+  "vpdpbusd " q0 "(%1), %%zmm16, " a0 "\n vpdpbusd " q0 "(%1), %%zmm17, " a1 "\n vpdpbusd " q0  \
+  "(%1), %%zmm18, " a2 "\n vpdpbusd " q0 "(%1), %%zmm19, " a3 "\n vpdpbusd " q1                 \
+  "(%1), %%zmm20, " a0 "\n vpdpbusd " q1 "(%1), %%zmm21, " a1 "\n vpdpbusd " q1                 \
+  "(%1), %%zmm22, " a2 "\n vpdpbusd " q1 "(%1), %%zmm23, " a3 "\n"
+#define MJ_INT32                                                     \
+  MJ_INT_ROW("0", "64", "%%zmm0", "%%zmm1", "%%zmm2", "%%zmm3")      \
+  MJ_INT_ROW("128", "192", "%%zmm4", "%%zmm5", "%%zmm6", "%%zmm7")   \
+  MJ_INT_ROW("256", "320", "%%zmm8", "%%zmm9", "%%zmm10", "%%zmm11") \
+  MJ_INT_ROW("384", "448", "%%zmm12", "%%zmm13", "%%zmm14", "%%zmm15")
 // P . V's decode of one V row's 64 channels into 4 fp32 vectors (the words widened by a shift
 // or a mask, as DecodeViaWords does): 9 vector ops.
 #define MJ_DECODE_V64                                                                       \
@@ -140,6 +163,9 @@ MJ_LOOP(Dot32, MJ_DOT32)
 MJ_LOOP(Decode4Keys, MJ_DECODE_4_KEYS)
 MJ_LOOP(Decode4KeysDot32, MJ_DECODE_4_KEYS MJ_DOT32)
 MJ_LOOP(Reduce16, MJ_REDUCE16)
+MJ_LOOP(Int32, MJ_INT32)
+MJ_LOOP(DecodeInt4Keys, MJ_DECODE_INT_4_KEYS)
+MJ_LOOP(DecodeInt4KeysInt32, MJ_DECODE_INT_4_KEYS MJ_INT32)
 MJ_LOOP(ValueStepBroadcast, MJ_DECODE_V64 MJ_BROADCAST4 MJ_FMA16)
 MJ_LOOP(ValueStepEmbedded, MJ_DECODE_V64 MJ_FMA16_EMBEDDED)
 
@@ -148,6 +174,7 @@ struct Loop {
   const char* what;
   int instructions;  // vector instructions per iteration (loads that are not operands too)
   double (*run)(long);
+  bool vnni = false;  // needs AVX512_VNNI
 };
 
 }  // namespace
@@ -171,11 +198,23 @@ int main() {
        ValueStepBroadcast},
       {"pv+embedded", "V decode (64 ch), 16 FMAs with {1to16} probabilities: P . V's step", 25,
        ValueStepEmbedded},
+      {"int32", "32 vpdpbusd (Q . K's 4 x 4 block on one 128-channel chunk, int8 Q)", 32, Int32,
+       true},
+      {"decode4int", "e2m1 to bytes, 4 keys x 128 channels (4 loads, 8 ands, 4 shifts, 8 vpshufb)",
+       24, DecodeInt4Keys, true},
+      {"decode4int+int32", "both: int8 Q . K's step on 128 channels", 56, DecodeInt4KeysInt32,
+       true},
   };
+  const bool vnni = __builtin_cpu_supports("avx512vnni") != 0;
   constexpr long kIterations = 20'000'000;
   double fma_ns = 0;
   std::printf("%-14s %9s %8s %12s  %s\n", "loop", "ns/iter", "insns", "FMA-slots", "what");
   for (const Loop& loop : loops) {
+    if (loop.vnni && !vnni) {
+      std::printf("%-14s %9s %8d %12s  %s (no AVX512_VNNI here)\n", loop.name, "-",
+                  loop.instructions, "-", loop.what);
+      continue;
+    }
     double best = 1e30;
     for (int round = 0; round < 5; ++round) best = std::min(best, loop.run(kIterations));
     if (fma_ns == 0) fma_ns = best / 16;  // the first loop: one FMA's issue time

@@ -15,9 +15,11 @@
 
 namespace mjolnir {
 
-// How Q enters the QK product (docs/design.md section 4, step 1). fp8 quantizes dynamically per
-// (sequence, KV head): sq = amax / 448 over the group's g * q_len rows.
-enum class QMode : std::uint8_t { fp32, bf16, fp8 };
+// How Q enters the QK product (docs/design.md section 4, step 1). fp8 and int8 quantize
+// dynamically per (query tile, KV head) over the group's g * q_len rows: fp8 with sq = amax / 448,
+// int8 with sq = amax / 127 to the integers -127..127 (round to nearest even), which multiply the
+// fp6 / fp4 / nvfp4 codes exactly (docs/numerics.md).
+enum class QMode : std::uint8_t { fp32, bf16, fp8, int8 };
 // How P enters the PV product (step 4). fp8 is e4m3(p * 256), the 256 folded into 1 / l.
 enum class PMode : std::uint8_t { fp32, bf16, fp8 };
 std::string_view to_string(QMode mode);

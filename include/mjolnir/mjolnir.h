@@ -286,7 +286,8 @@ MJOLNIR_API mjolnir_status mjolnir_plan_counts(mjolnir_plan* plan, int32_t* num_
 typedef enum mjolnir_q_mode {
   MJOLNIR_Q_FP32 = 0,
   MJOLNIR_Q_BF16 = 1,
-  MJOLNIR_Q_FP8 = 2 /* dynamic per (sequence, KV head): sq = amax / 448 */
+  MJOLNIR_Q_FP8 = 2, /* dynamic per (sequence, KV head): sq = amax / 448 */
+  MJOLNIR_Q_INT8 = 3 /* dynamic per (sequence, KV head): sq = amax / 127, integer codes */
 } mjolnir_q_mode;
 
 typedef enum mjolnir_p_mode {

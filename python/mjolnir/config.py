@@ -12,7 +12,8 @@ from typing import Mapping, Optional
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
-_MODES = ("auto", "fp32", "bf16", "fp8")
+_Q_MODES = ("auto", "fp32", "bf16", "fp8", "int8")
+_P_MODES = ("auto", "fp32", "bf16", "fp8")
 # Where MJOLNIR_ATTN_KV_CALIBRATE=1 records.
 DEFAULT_AMAX_FILE = "mjolnir-kv-amax.json"
 # The formats MJOLNIR_ATTN_KV_FORMAT takes (every mjolnir format; "" = vLLM's kv_cache_dtype).
@@ -89,8 +90,8 @@ class AttnConfig:
 
     disable: bool = False  # MJOLNIR_ATTN_DISABLE: 1 = do not register the backend at all
     fallback: bool = True  # MJOLNIR_ATTN_FALLBACK: a step mjolnir cannot plan -> PyTorch path
-    # MJOLNIR_ATTN_Q_DTYPE / _P_DTYPE: Q and P modes, auto | fp32 | bf16 | fp8. auto: the
-    # backend's choice per layer (Backend::auto_modes; docs/python.md).
+    # MJOLNIR_ATTN_Q_DTYPE / _P_DTYPE: Q and P modes, auto | fp32 | bf16 | fp8, and int8 for Q.
+    # auto: the backend's choice per layer (Backend::auto_modes; docs/python.md).
     q_dtype: str = "auto"
     p_dtype: str = "auto"
     max_splits: int = 16  # MJOLNIR_ATTN_MAX_SPLITS: cap on split-KV chunks per sequence
@@ -109,8 +110,8 @@ class AttnConfig:
         return cls(
             disable=_flag(env, "MJOLNIR_ATTN_DISABLE", False),
             fallback=_flag(env, "MJOLNIR_ATTN_FALLBACK", True),
-            q_dtype=_choice(env, "MJOLNIR_ATTN_Q_DTYPE", _MODES, "auto"),
-            p_dtype=_choice(env, "MJOLNIR_ATTN_P_DTYPE", _MODES, "auto"),
+            q_dtype=_choice(env, "MJOLNIR_ATTN_Q_DTYPE", _Q_MODES, "auto"),
+            p_dtype=_choice(env, "MJOLNIR_ATTN_P_DTYPE", _P_MODES, "auto"),
             max_splits=_int(env, "MJOLNIR_ATTN_MAX_SPLITS", 16, 1, 256),
             threads=_int(env, "MJOLNIR_ATTN_THREADS", 0, 0, 4096),
             kv_format=_format(env, "MJOLNIR_ATTN_KV_FORMAT"),

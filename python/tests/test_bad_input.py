@@ -67,7 +67,7 @@ def decode_with(args, **changes):
      r"^kv_cache: dimension 1 \(pages\) of layout 2BNHD has size 0"),
     (dict(kv_cache=torch.zeros(2, PAGES, P, HK, 2 * D, dtype=torch.uint8)[..., ::2]),
      r"^kv_cache: the last dimension \(a token's row\) must be contiguous"),
-    (dict(q_mode="int8"), r"^q_mode: 'int8' is not one of fp32, bf16, fp8"),
+    (dict(q_mode="int4"), r"^q_mode: 'int4' is not one of fp32, bf16, fp8, int8"),
     (dict(p_mode="fp4"), r"^p_mode: 'fp4' is not one of fp32, bf16, fp8"),
     (dict(softmax_scale=-1.0), r"^softmax_scale: -1"),
     (dict(backend="tpu"), r"^backend: 'tpu' is not one of"),

@@ -36,7 +36,7 @@ def test_values():
 @pytest.mark.parametrize("name,value,pattern", [
     ("MJOLNIR_ATTN_DISABLE", "maybe", "is not a boolean"),
     ("MJOLNIR_ATTN_FALLBACK", "2", "is not a boolean"),
-    ("MJOLNIR_ATTN_Q_DTYPE", "int8", "is not one of auto, fp32, bf16, fp8"),
+    ("MJOLNIR_ATTN_Q_DTYPE", "int4", "is not one of auto, fp32, bf16, fp8, int8"),
     ("MJOLNIR_ATTN_P_DTYPE", "fp4", "is not one of auto, fp32, bf16, fp8"),
     ("MJOLNIR_ATTN_KV_FORMAT", "fp5", "is not one of bf16, fp16, fp8_e4m3"),
     ("MJOLNIR_ATTN_MAX_SPLITS", "many", "is not an integer"),

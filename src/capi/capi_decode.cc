@@ -54,9 +54,11 @@ QMode to_q_mode(std::int32_t value) {
       return QMode::bf16;
     case MJOLNIR_Q_FP8:
       return QMode::fp8;
+    case MJOLNIR_Q_INT8:
+      return QMode::int8;
   }
   fail(MJOLNIR_ERROR_INVALID_ARGUMENT, "params->q_mode: ", value,
-       " is not a mjolnir_q_mode (0 = fp32, 1 = bf16, 2 = fp8)");
+       " is not a mjolnir_q_mode (0 = fp32, 1 = bf16, 2 = fp8, 3 = int8)");
 }
 
 PMode to_p_mode(std::int32_t value) {

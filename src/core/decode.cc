@@ -18,6 +18,8 @@ std::string_view to_string(QMode mode) {
       return "bf16";
     case QMode::fp8:
       return "fp8";
+    case QMode::int8:
+      return "int8";
   }
   return "?";
 }
@@ -35,10 +37,10 @@ std::string_view to_string(PMode mode) {
 }
 
 QMode parse_q_mode(std::string_view name) {
-  for (QMode m : {QMode::fp32, QMode::bf16, QMode::fp8}) {
+  for (QMode m : {QMode::fp32, QMode::bf16, QMode::fp8, QMode::int8}) {
     if (to_string(m) == name) return m;
   }
-  detail::throw_error("q_mode: '", name, "' is not one of fp32, bf16, fp8");
+  detail::throw_error("q_mode: '", name, "' is not one of fp32, bf16, fp8, int8");
 }
 
 PMode parse_p_mode(std::string_view name) {
@@ -65,9 +67,9 @@ void validate(const DecodeArgs& args) {
                   "num_q_heads: ", p.num_q_heads, " is not a positive multiple of num_kv_heads ",
                   geo.num_kv_heads);
   // Enums that arrive by cast (a C++ caller's, or a binding's) are checked like every option.
-  MJOLNIR_REQUIRE(static_cast<int>(p.q_mode) <= static_cast<int>(QMode::fp8),
+  MJOLNIR_REQUIRE(static_cast<int>(p.q_mode) <= static_cast<int>(QMode::int8),
                   "params.q_mode: ", static_cast<int>(p.q_mode),
-                  " is not a Q mode (fp32 0, bf16 1, fp8 2)");
+                  " is not a Q mode (fp32 0, bf16 1, fp8 2, int8 3)");
   MJOLNIR_REQUIRE(static_cast<int>(p.p_mode) <= static_cast<int>(PMode::fp8),
                   "params.p_mode: ", static_cast<int>(p.p_mode),
                   " is not a P mode (fp32 0, bf16 1, fp8 2)");

@@ -10,6 +10,7 @@
 #include <numbers>
 
 #include "core/non_finite.h"
+#include "core/query_codes.h"
 #include "mjolnir/format.h"
 
 namespace mjolnir::cpu {
@@ -48,8 +49,11 @@ float prepare_query(const DecodeArgs& args, const WorkItem& item, int g, std::sp
   if (p.q_mode == QMode::bf16) {
     for (float& x : q_out) x = round_to(Format::bf16, x);
   } else if (p.q_mode == QMode::fp8) {
-    if (amax > 0.0f) sq = amax / 448.0f;
+    if (amax > 0.0f) sq = amax / kQFp8Max;
     for (float& x : q_out) x = round_to(Format::fp8_e4m3, x / sq);
+  } else if (p.q_mode == QMode::int8) {
+    if (amax > 0.0f) sq = amax / kQInt8Max;
+    for (float& x : q_out) x = int8_code(x / sq);
   }
   const float k_outer = channel_scales ? 1.0f : cache.k_scale_at(kv_head, 0);
   return sq * k_outer * p.effective_softmax_scale(d) * std::numbers::log2e_v<float>;

@@ -33,6 +33,7 @@
 #include "cpu/amx_values-inl.h"
 #include "cpu/bf16_dot-inl.h"
 #include "cpu/exact_scores-inl.h"
+#include "cpu/int8_dot-inl.h"
 #include "cpu/kernel_blocks-inl.h"
 #include "cpu/kv_decode-inl.h"
 #include "cpu/minifloat_simd-inl.h"
@@ -53,6 +54,7 @@
 
 #include "core/minifloat.h"
 #include "core/non_finite.h"
+#include "core/query_codes.h"
 #include "cpu/amx.h"
 #include "cpu/attention_kernel.h"
 #include "cpu/item_context.h"
@@ -60,6 +62,7 @@
 
 namespace mjolnir::cpu {
 extern std::atomic<std::uint64_t> g_bf16_dot_items;  // behind bf16_dot_items()
+extern std::atomic<std::uint64_t> g_int8_dot_items;  // behind int8_dot_items()
 }  // namespace mjolnir::cpu
 
 HWY_BEFORE_NAMESPACE();
@@ -178,11 +181,20 @@ float PrepareQuery(const ItemContext& it, float* HWY_RESTRICT qn, float* HWY_RES
     }
   } else if (args.params.q_mode == QMode::fp8) {
     const float max_abs = hn::GetLane(hn::MaxOfLanes(df, amax));
-    if (max_abs > 0.0f) sq = max_abs / 448.0f;
+    if (max_abs > 0.0f) sq = max_abs / kQFp8Max;
     const auto divisor = hn::Set(df, sq);
     for (std::size_t i = 0; i < total; i += n) {
       const auto x = hn::Div(hn::Load(df, qn + i), divisor);
       hn::Store(RoundToMinifloat<kE4M3Spec>(df, x), df, qn + i);
+    }
+  } else if (args.params.q_mode == QMode::int8) {  // as int8_code: nearest, ties to even
+    const float max_abs = hn::GetLane(hn::MaxOfLanes(df, amax));
+    if (max_abs > 0.0f) sq = max_abs / kQInt8Max;
+    const auto divisor = hn::Set(df, sq);
+    const auto top = hn::Set(df, kQInt8Max);
+    for (std::size_t i = 0; i < total; i += n) {
+      const auto x = hn::Round(hn::Div(hn::Load(df, qn + i), divisor));
+      hn::Store(hn::Min(hn::Max(x, hn::Neg(top)), top), df, qn + i);
     }
   }
   const float k_outer = channel_scales ? 1.0f : cache.k_scale_at(it.item->kv_head, 0);
@@ -379,12 +391,19 @@ int FastPathTile(int plan_tile, int heads, std::size_t row_bytes) {
   return std::min(tile, plan_tile);
 }
 
+// Where the int8 path keeps each row's starting sum: after Q's [R][D] bytes, 64-byte aligned,
+// inside the [R][D + 16] floats of a head's Q buffer.
+inline std::int32_t* Int8Starts(float* q, int rows, int d) {
+  return reinterpret_cast<std::int32_t*>(q) + (std::size_t(rows) * d + 63) / 64 * 16;
+}
+
 // One KV head of a unit: its prepared Q and running softmax state.
 struct HeadState {
   ItemContext it;
   float* q;                         // kernel-ready Q: [R][D] (fast) or [D][rows_padded] (exact)
   float kernel_scale;               // turns q . k as computed into log2-scaled scores
   bool dot;                         // Q . K on bf16 dot products (q: bf16 words)
+  bool int8;                        // Q . K in integers (q: int8 bytes, then Int8Starts)
   std::uint16_t* q_tiles;           // Q . K on AMX tiles: Q's B tiles, else null
   float* acc;                       // [R][D] O accumulator, decoder channel order
   RowState state;                   // m, l, alpha: [R] each
@@ -424,6 +443,14 @@ void RunUnit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, in
   constexpr bool amx_values = false;
   constexpr bool dot_format = false;
   constexpr bool amx_format = false;
+#endif
+  // Q mode int8 against e2m1 codes: Q . K in integers on VNNI (int8_dot-inl.h), below the rows
+  // where the AMX tiles take it.
+#if MJOLNIR_INT8_DOT
+  const bool int8_dot = args.params.q_mode == QMode::int8 && geo.format == Format::fp4_e2m1 &&
+                        d % int(kInt8Chunk) == 0 && !exact && !amx_format && CpuHasInt8Dot();
+#else
+  constexpr bool int8_dot = false;
 #endif
   // With P rounded, P codes depend on each tile's running max: the plan's tile, as the emulator.
   const int tile =
@@ -490,9 +517,17 @@ void RunUnit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, in
 
     const float score_scale = PrepareQuery(hs.it, qn, hs.q_poisoned);
     hs.q_tiles = nullptr;
-    hs.dot = dot_format &&
+    hs.int8 = int8_dot;
+    hs.dot = !int8_dot && dot_format &&
              (args.params.q_mode != QMode::fp32 || AllBf16Values(qn, std::size_t(rows) * d));
-    if (hs.dot) {  // bf16 words in the dot decoder's channel order, true values
+    if (hs.int8) {  // signed bytes in the decoder's channel order, and each row's start
+#if MJOLNIR_INT8_DOT
+      g_int8_dot_items.fetch_add(1, std::memory_order_relaxed);
+      PrepareInt8Query(qn, rows, std::size_t(d), reinterpret_cast<std::int8_t*>(hs.q),
+                       Int8Starts(hs.q, rows, d));
+      hs.kernel_scale = score_scale / kE2M1IntFactor;
+#endif
+    } else if (hs.dot) {  // bf16 words in the dot decoder's channel order, true values
       g_bf16_dot_items.fetch_add(1, std::memory_order_relaxed);
 #if MJOLNIR_BF16_DOT
       if constexpr (!std::is_void_v<Dot>) {
@@ -639,6 +674,12 @@ void RunUnit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, in
                          hs.kernel_scale, scores, stride, prefetcher, prefetch_rows, amx_keys,
                          amx_sums);
         }
+#endif
+      } else if (hs.int8) {
+#if MJOLNIR_INT8_DOT
+        ScoresInt8(reinterpret_cast<const std::int8_t*>(hs.q), Int8Starts(hs.q, rows, d), rows,
+                   std::size_t(d), bases, hs.k_offset, count, hs.kernel_scale, scores, stride,
+                   prefetcher, prefetch_rows);
 #endif
       } else if (hs.dot) {
 #if MJOLNIR_BF16_DOT
@@ -792,6 +833,14 @@ bool HasBf16Dot() {
 #endif
 }
 
+bool HasInt8Dot() {
+#if !MJOLNIR_PORTABLE_TARGET && MJOLNIR_INT8_DOT
+  return CpuHasInt8Dot();
+#else
+  return false;
+#endif
+}
+
 }  // namespace mjolnir::cpu::HWY_NAMESPACE
 HWY_AFTER_NAMESPACE();
 
@@ -802,6 +851,7 @@ namespace mjolnir::cpu {
 HWY_EXPORT(RunWorkUnit);
 HWY_EXPORT(TargetName);
 HWY_EXPORT(HasBf16Dot);
+HWY_EXPORT(HasInt8Dot);
 
 float* KernelScratch::floats(int slot, std::size_t count) {
   if (capacity_[slot] < count) {
@@ -830,6 +880,7 @@ void* KernelScratch::bytes(std::size_t count) {
 }
 
 std::atomic<std::uint64_t> g_bf16_dot_items{0};
+std::atomic<std::uint64_t> g_int8_dot_items{0};
 
 namespace {
 std::atomic<bool>& bf16_dot_flag() {
@@ -847,13 +898,21 @@ bool bf16_dot_enabled() { return bf16_dot_flag().load(std::memory_order_relaxed)
 bool bf16_dot_applies(Format format, QMode q_mode, int head_dim) {
   // The formats whose codes are all bf16 values (bf16_dot-inl.h has a decoder for each).
   const bool bf16_codes = format != Format::fp16;
-  return bf16_codes && (q_mode == QMode::bf16 || q_mode == QMode::fp8) && head_dim % 64 == 0 &&
-         bf16_dot_enabled() && cpu_has_bf16_dot();
+  return bf16_codes && (q_mode == QMode::bf16 || q_mode == QMode::fp8 || q_mode == QMode::int8) &&
+         head_dim % 64 == 0 && bf16_dot_enabled() && cpu_has_bf16_dot();
 }
 
 bool cpu_has_bf16_dot() { return HWY_DYNAMIC_DISPATCH(HasBf16Dot)(); }
 
+bool cpu_has_int8_dot() { return HWY_DYNAMIC_DISPATCH(HasInt8Dot)(); }
+
+bool int8_dot_applies(Format format, int head_dim) {
+  return format == Format::fp4_e2m1 && head_dim % 128 == 0 && cpu_has_int8_dot();
+}
+
 std::uint64_t bf16_dot_items() { return g_bf16_dot_items.load(); }
+
+std::uint64_t int8_dot_items() { return g_int8_dot_items.load(); }
 
 bool amx_values_apply(Format format, PMode p_mode, int head_dim) {
   return p_mode == PMode::bf16 && format != Format::fp16 && head_dim % 64 == 0 &&

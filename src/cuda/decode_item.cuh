@@ -126,14 +126,15 @@ class DecodeItem {
     __syncthreads();
   }
 
-  // Step 1's scales. fp8 Q: sq = amax / 448 over all q_len * g rows and channels, poisoned rows
-  // left out (as if they were zero, so the other rows keep their codes). Then
+  // Step 1's scales. fp8 Q: sq = amax / 448 (int8 Q: / 127) over all q_len * g rows and channels,
+  // poisoned rows left out (as if they were zero, so the other rows keep their codes). Then
   // score_scale = sq * k_outer * softmax_scale * log2(e), multiplied in that order as the
   // emulator does. Every thread of the CTA calls it; `reduce` holds 32 floats of shared memory.
   template <int kThreads>
   __device__ QueryScales query_scales(float* reduce) const {
     QueryScales scales;
-    if (static_cast<QMode>(p_.q_mode) == QMode::fp8) {
+    const QMode q_mode = static_cast<QMode>(p_.q_mode);
+    if (q_mode == QMode::fp8 || q_mode == QMode::int8) {
       float amax = 0.0f;
       for (int r = threadIdx.x >> 5; r < p_.rows; r += kThreads / 32) {  // a warp per row
         float row_max = 0.0f;
@@ -146,7 +147,7 @@ class DecodeItem {
         if (!__any_sync(0xffffffffu, bad)) amax = host_max(amax, row_max);
       }
       amax = block_max<kThreads>(amax, reduce);
-      if (amax > 0.0f) scales.sq = __fdiv_rn(amax, kFp8Max);
+      if (amax > 0.0f) scales.sq = __fdiv_rn(amax, q_mode == QMode::fp8 ? kFp8Max : kInt8Max);
     }
     const float k_outer = channel_scales() ? 1.0f : k_scale_at(0);
     scales.score_scale =

@@ -178,7 +178,7 @@ class MmaDecodeCta : DecodeItem {
       q_scale = minifloat_detail::exact_power_of_two(min(max(15 - exponent, -126), 127));
     }
     score_scale_ = __fmul_rn(__fdiv_rn(scales.score_scale, q_scale), kValueScale);
-    // fp8 Q codes are exact in either operand type, bf16 Q too (f16 keeps 11 bits); fp32 Q
+    // fp8 and int8 Q codes are exact in either operand type, bf16 Q too (f16 keeps 11 bits); fp32 Q
     // needs every term.
     q_terms_ = static_cast<QMode>(p_.q_mode) == QMode::fp32 ? kTerms : 1;
     // The host's choice, never beyond what the rows and operand type allow.

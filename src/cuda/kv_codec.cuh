@@ -156,6 +156,7 @@ __device__ void encode_unit(std::uint8_t* row, int u, int head_dim, const Value&
 // --- the contract's rounding steps (docs/numerics.md) -------------------------------------------
 
 inline constexpr float kFp8Max = 448.0f;     // e4m3 largest finite: Q codes use the full range
+inline constexpr float kInt8Max = 127.0f;    // int8 Q codes: -127..127
 inline constexpr float kFp8PScale = 256.0f;  // fp8 P = e4m3(p * 256)
 // std::numbers::log2e_v<float> and ln2_v<float>, as the emulator rounds them.
 inline constexpr float kLog2e = 1.44269504088896340736f;
@@ -175,6 +176,8 @@ __device__ __forceinline__ float round_query(float x, int q_mode, float sq) {
       return round_through<kBf16Spec>(x);
     case QMode::fp8:
       return round_through<kE4M3Spec>(__fdiv_rn(x, sq));
+    case QMode::int8:  // the nearest integer, ties to even (rintf), within +-127
+      return fminf(fmaxf(rintf(__fdiv_rn(x, sq)), -kInt8Max), kInt8Max);
   }
   return x;
 }

@@ -7,6 +7,7 @@
 #include <numbers>
 
 #include "core/non_finite.h"
+#include "core/query_codes.h"
 #include "mjolnir/error.h"
 #include "mjolnir/format.h"
 
@@ -15,7 +16,6 @@ namespace mjolnir::reference {
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-constexpr float kFp8Max = 448.0f;     // e4m3 largest finite value: Q codes use the full range
 constexpr float kFp8PScale = 256.0f;  // fp8 P = e4m3(p * 256): p in (0, 1] lands in [.., 256]
 
 float round_to(Format format, float x) { return decode_element(format, encode_element(format, x)); }
@@ -72,8 +72,15 @@ PreparedQuery prepare_query(const DecodeArgs& args, const WorkItem& item) {
     case QMode::fp8: {
       float amax = 0.0f;
       for (float x : prepared.values) amax = std::max(amax, std::abs(x));
-      if (amax > 0.0f) sq = amax / kFp8Max;
+      if (amax > 0.0f) sq = amax / kQFp8Max;
       for (float& x : prepared.values) x = round_to(Format::fp8_e4m3, x / sq);
+      break;
+    }
+    case QMode::int8: {
+      float amax = 0.0f;
+      for (float x : prepared.values) amax = std::max(amax, std::abs(x));
+      if (amax > 0.0f) sq = amax / kQInt8Max;
+      for (float& x : prepared.values) x = int8_code(x / sq);
       break;
     }
   }

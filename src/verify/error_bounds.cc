@@ -1,13 +1,15 @@
 // Error bounds (see docs/numerics.md for the derivation and the measured margins).
 #include "verify/error_bounds.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 
 namespace mjolnir::verify {
 
 namespace {
 
-double mode_roundoff(QMode mode) {
+double mode_roundoff(QMode mode, double query_crest) {
   switch (mode) {
     case QMode::fp32:
       return 0;
@@ -15,6 +17,8 @@ double mode_roundoff(QMode mode) {
       return std::ldexp(1.0, -9);
     case QMode::fp8:
       return std::ldexp(1.0, -4);
+    case QMode::int8:  // half a step of amax / 127, relative to the rms of the values
+      return query_crest / (2 * 127.0);
   }
   return 0;
 }
@@ -76,13 +80,41 @@ double emulator_tolerance(const DecodeParams& params, bool p_from_own_scores) {
   return params.p_mode == PMode::fp8 || params.q_mode == QMode::fp8 ? 1e-4 : 1e-5;
 }
 
-double mode_error_bound(const DecodeParams& params) {
-  return kFp32Floor + kQModeFactor * mode_roundoff(params.q_mode) +
+double mode_error_bound(const DecodeParams& params, double query_crest) {
+  return kFp32Floor + kQModeFactor * mode_roundoff(params.q_mode, query_crest) +
          kPModeFactor * mode_roundoff(params.p_mode);
 }
 
-double format_error_bound(Format format, const DecodeParams& params) {
-  return mode_error_bound(params) + kFormatFactor * unit_roundoff(format);
+double format_error_bound(Format format, const DecodeParams& params, double query_crest) {
+  return mode_error_bound(params, query_crest) + kFormatFactor * unit_roundoff(format);
+}
+
+double query_crest(const DecodeArgs& args) {
+  const KvCacheView& cache = args.cache;
+  const int hk = cache.geometry.num_kv_heads, d = cache.geometry.head_dim;
+  const int g = args.params.num_q_heads / hk;
+  const bool channel = cache.granularity == ScaleGranularity::channel;
+  double crest = 0;
+  for (int b = 0; b < args.batch.num_seqs(); ++b) {
+    for (int h = 0; h < hk; ++h) {
+      double amax = 0, squares = 0;
+      std::int64_t count = 0;
+      for (int t = 0; t < args.query_len(b); ++t) {
+        const float* row = args.q.data + args.query_row(b, t) * args.q.token_stride;
+        for (int j = 0; j < g; ++j) {
+          const float* q = row + std::int64_t(h * g + j) * args.q.head_stride;
+          for (int c = 0; c < d; ++c) {
+            const double x = double(q[c]) * (channel ? cache.k_scale_at(h, c) : 1.0);
+            amax = std::max(amax, std::abs(x));
+            squares += x * x;
+            ++count;
+          }
+        }
+      }
+      if (squares > 0) crest = std::max(crest, amax / std::sqrt(squares / double(count)));
+    }
+  }
+  return crest;
 }
 
 }  // namespace mjolnir::verify
