@@ -1,13 +1,15 @@
 #!/usr/bin/env python3
-"""Times `mjolnir bench` with an environment variable at two values, in interleaved rounds, and
-renders the comparison into a doc from the raw file.
+"""Times `mjolnir bench` with an environment variable (or a bench option) at two values, in
+interleaved rounds, and renders the comparison into a doc from the raw file.
 
     scripts/env_ab.py measure --name amx --variable MJOLNIR_CPU_AMX --values 1 0 --rounds 2 \\
         --shape "--q-len 4" --shape "--heads 64:8" -- --format fp8_e4m3,bf16 --q-mode bf16
+    scripts/env_ab.py measure --name int8 --variable=--q-mode --values bf16 int8 -- --format fp4_e2m1
     scripts/env_ab.py render bench/results/cpu-ab-amx-DATE-MACHINE.json --doc docs/cpu-performance.md
     scripts/env_ab.py check --doc docs/cpu-performance.md
 
-`measure` runs every shape (extra bench arguments; the arguments after `--` go to every run) at
+A --variable that starts with "-" is a bench option, given the value as its argument; anything
+else is an environment variable. `measure` runs every shape (extra bench arguments; the arguments after `--` go to every run) at
 each value in turn, round after round, so the host's slow minutes fall on both, and writes the
 bench's own JSON of every run into bench/results/cpu-ab-NAME-DATE-MACHINE.json. `render` puts the
 table (median step time per value over the rounds, and the change) between
@@ -53,11 +55,13 @@ def measure(args: argparse.Namespace) -> pathlib.Path:
             for shape in shapes:
                 for value in args.values:
                     out = pathlib.Path(tmp) / "run.json"
-                    command = [str(mjolnir), "bench", *shlex.split(shape), *args.bench, "--json", str(out)]
+                    option = args.variable.startswith("-")
+                    command = [str(mjolnir), "bench", *shlex.split(shape), *args.bench,
+                               *([args.variable, value] if option else []), "--json", str(out)]
                     print(f"env_ab: round {round_index}, {args.variable}={value}: {shlex.join(command[1:])}",
                           file=sys.stderr)
                     subprocess.run(command, check=True, stdout=subprocess.DEVNULL,
-                                   env={**os.environ, args.variable: value})
+                                   env=os.environ if option else {**os.environ, args.variable: value})
                     runs.append({"round": round_index, "shape": shape, "value": value,
                                  "bench": json.loads(out.read_text())})
     threads = runs[0]["bench"]["machine"]["threads"]

@@ -444,10 +444,10 @@ void RunUnit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, in
   constexpr bool dot_format = false;
   constexpr bool amx_format = false;
 #endif
-  // Q mode int8 against e2m1 codes: Q . K in integers on VNNI (int8_dot-inl.h), below the rows
-  // where the AMX tiles take it.
+  // Q mode int8 against e2m1 or e2m3 codes: Q . K in integers on VNNI (int8_dot-inl.h), below the
+  // rows where the AMX tiles take it.
 #if MJOLNIR_INT8_DOT
-  const bool int8_dot = args.params.q_mode == QMode::int8 && geo.format == Format::fp4_e2m1 &&
+  const bool int8_dot = args.params.q_mode == QMode::int8 && HasIntDecoder(geo.format) &&
                         d % int(kInt8Chunk) == 0 && !exact && !amx_format && CpuHasInt8Dot();
 #else
   constexpr bool int8_dot = false;
@@ -523,9 +523,11 @@ void RunUnit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, in
     if (hs.int8) {  // signed bytes in the decoder's channel order, and each row's start
 #if MJOLNIR_INT8_DOT
       g_int8_dot_items.fetch_add(1, std::memory_order_relaxed);
-      PrepareInt8Query(qn, rows, std::size_t(d), reinterpret_cast<std::int8_t*>(hs.q),
-                       Int8Starts(hs.q, rows, d));
-      hs.kernel_scale = score_scale / kE2M1IntFactor;
+      VisitIntDecoder(geo.format, [&]<class Int>() {
+        PrepareInt8Query<Int>(qn, rows, std::size_t(d), reinterpret_cast<std::int8_t*>(hs.q),
+                              Int8Starts(hs.q, rows, d));
+        hs.kernel_scale = score_scale / Int::kFactor;
+      });
 #endif
     } else if (hs.dot) {  // bf16 words in the dot decoder's channel order, true values
       g_bf16_dot_items.fetch_add(1, std::memory_order_relaxed);
@@ -677,9 +679,11 @@ void RunUnit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, in
 #endif
       } else if (hs.int8) {
 #if MJOLNIR_INT8_DOT
-        ScoresInt8(reinterpret_cast<const std::int8_t*>(hs.q), Int8Starts(hs.q, rows, d), rows,
-                   std::size_t(d), bases, hs.k_offset, count, hs.kernel_scale, scores, stride,
-                   prefetcher, prefetch_rows);
+        VisitIntDecoder(geo.format, [&]<class Int>() {
+          ScoresInt8<Int>(reinterpret_cast<const std::int8_t*>(hs.q), Int8Starts(hs.q, rows, d),
+                          rows, std::size_t(d), bases, hs.k_offset, count, hs.kernel_scale, scores,
+                          stride, prefetcher, prefetch_rows);
+        });
 #endif
       } else if (hs.dot) {
 #if MJOLNIR_BF16_DOT
@@ -907,7 +911,8 @@ bool cpu_has_bf16_dot() { return HWY_DYNAMIC_DISPATCH(HasBf16Dot)(); }
 bool cpu_has_int8_dot() { return HWY_DYNAMIC_DISPATCH(HasInt8Dot)(); }
 
 bool int8_dot_applies(Format format, int head_dim) {
-  return format == Format::fp4_e2m1 && head_dim % 128 == 0 && cpu_has_int8_dot();
+  return (format == Format::fp4_e2m1 || format == Format::fp6_e2m3 || format == Format::nvfp4) &&
+         head_dim % 128 == 0 && cpu_has_int8_dot();
 }
 
 std::uint64_t bf16_dot_items() { return g_bf16_dot_items.load(); }

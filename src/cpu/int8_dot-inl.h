@@ -1,14 +1,16 @@
 // Q . K in integers for the CPU kernel (attention_kernel.cc), Q mode int8 (docs/numerics.md
-// step 1): Q holds the integers -127..127, and fp4 e2m1's codes are the integers -12..12 after a
-// factor 2 (0, 0.5, 1, 1.5, 2, 3, 4, 6), so each score is an integer sum, exact in any order.
-// AVX-512 VNNI's vpdpbusd does 64 multiply-adds of unsigned x signed bytes into 16 int32 lanes:
-// the K codes go in as unsigned bytes k + 12 (a 16-entry vpshufb table per nibble), Q as signed
-// bytes, and each row's sum starts at -12 * sum(q), which takes the 12 back out. On the Intel
+// step 1): Q holds the integers -127..127, and the codes of fp4 e2m1 and fp6 e2m3 are small
+// integers after a factor (e2m1 x 2: -12..12; e2m3 x 8: -60..60), so each score is an integer
+// sum, exact in any order (nvfp4's codes are e2m1's; its block scales multiply the blocks'
+// integer sums, IntNvfp4). AVX-512 VNNI's vpdpbusd does 64 multiply-adds of unsigned x signed
+// bytes into 16 int32 lanes: the K codes go in as unsigned bytes k + bias (looked up in a table
+// of the format's codes), Q as signed bytes, and each row's sum starts at -bias * sum(q), which
+// takes the bias back out. On the Intel
 // Xeon this was written on, 32 vpdpbusd (a 4 x 4 block of 128 channels) took 6.5 ns where 32
 // vdpbf16ps (64 channels) took 18.7 (bench/micro/vector_op_costs, docs/cpu-performance.md).
 //
 // The sums are converted to fp32 (exact: |sum| < 2^24) and reduced like the other blocks' sums,
-// then times the kernel's scale (the score scale / 2): the scores are the emulator's bit for bit.
+// then times the kernel's scale (the score scale / factor): the emulator's scores bit for bit.
 // Only the AVX3_DL target compiles it, and it runs on CPUs with AVX512_VNNI (Ice Lake and later,
 // Zen 4 and later); it applies from 128 channels a chunk (D a multiple of 128). Per-target header,
 // see kv_decode-inl.h.
@@ -24,6 +26,7 @@
 #define MJOLNIR_CPU_INT8_DOT_INL_H_
 #endif
 
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <cstdint>
@@ -32,6 +35,7 @@
 #include "cpu/kernel_blocks-inl.h"
 #include "cpu/kv_decode-inl.h"
 #include "cpu/tile_prefetcher.h"
+#include "cpu/word_decoders-inl.h"
 #include "hwy/highway.h"
 
 HWY_BEFORE_NAMESPACE();
@@ -48,54 +52,155 @@ inline bool CpuHasInt8Dot() {
   return has;
 }
 
-// Channels per chunk: one 64-byte row of e2m1 codes, decoded into two vectors of 64 bytes, the
-// even channels (low nibbles) and the odd ones (high nibbles).
+// Channels per chunk: 128, decoded into two vectors of 64 unsigned bytes each.
 inline constexpr std::size_t kInt8Chunk = 128;
-// e2m1 codes times 2 are -12..12; plus 12 they are unsigned bytes 0..24.
-inline constexpr int kE2M1IntBias = 12;
-inline constexpr float kE2M1IntFactor = 2.0f;
 
-// The unsigned byte 2 * value + 12 of every e2m1 code, repeated in each 128-bit block for
-// vpshufb.
-struct E2M1IntTable {
+// The unsigned byte value * kFactor + kBias of every code of a format, repeated to 64 entries
+// (vpshufb reads 16 of each 128-bit block, vpermb all 64).
+template <MinifloatSpec kSpec, int kFactor, int kBias>
+struct IntCodeTable {
   alignas(64) std::array<std::uint8_t, 64> bytes{};
-  constexpr E2M1IntTable() {
+  constexpr IntCodeTable() {
     for (std::uint32_t i = 0; i < 64; ++i) {
-      const float value = decode_minifloat<kE2M1Spec>(i % 16) * kE2M1IntFactor;
-      bytes[i] = static_cast<std::uint8_t>(static_cast<int>(value) + kE2M1IntBias);
+      const float value = decode_minifloat<kSpec>(i % (1u << kSpec.total_bits())) * kFactor;
+      if (value != static_cast<float>(static_cast<int>(value)) || value + kBias < 0 ||
+          value + kBias > 255) {
+        throw "a code that is not a small integer after the factor";
+      }
+      bytes[i] = static_cast<std::uint8_t>(static_cast<int>(value) + kBias);
     }
   }
 };
 
-// Chunk c of an e2m1 row (64 code bytes) as unsigned bytes: even channels 0, 2, .., 126 of the
-// chunk in `even`, odd ones in `odd`.
-HWY_INLINE void DecodeE2M1Int(__m512i table, const std::uint8_t* row, std::size_t chunk,
-                              __m512i& even, __m512i& odd) {
-  const __m512i nibble = _mm512_set1_epi8(0x0F);
-  const __m512i codes = _mm512_loadu_si512(row + chunk * (kInt8Chunk / 2));
-  even = _mm512_shuffle_epi8(table, _mm512_and_si512(codes, nibble));
-  odd = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(codes, 4), nibble));
+// fp4 e2m1: values 0, 0.5, 1, 1.5, 2, 3, 4, 6 times 2 are -12..12. A chunk is one 64-byte row of
+// codes: the low nibbles (even channels) by one vpshufb, the high ones (odd channels) by another.
+struct IntE2M1 {
+  static constexpr int kFactor = 2, kBias = 12;
+  static constexpr bool kBlockScales = false;
+  struct State {
+    __m512i table;
+  };
+  static HWY_INLINE State MakeState() {
+    static constexpr IntCodeTable<kE2M1Spec, kFactor, kBias> kTable;
+    return {_mm512_load_si512(kTable.bytes.data())};
+  }
+  static HWY_INLINE void Decode(const State& s, const std::uint8_t* row, std::size_t chunk,
+                                __m512i& x0, __m512i& x1) {
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    const __m512i codes = _mm512_loadu_si512(row + chunk * 64);
+    x0 = _mm512_shuffle_epi8(s.table, _mm512_and_si512(codes, nibble));
+    x1 = _mm512_shuffle_epi8(s.table, _mm512_and_si512(_mm512_srli_epi16(codes, 4), nibble));
+  }
+  // Channel (within its chunk) of byte i of vector j.
+  static constexpr std::size_t Channel(std::size_t j, std::size_t i) { return 2 * i + j; }
+};
+
+// fp6 e2m3: values in steps of 1/8 up to 7.5, times 8 are -60..60. Code c of a row starts at bit
+// 6 c, so each 8 codes fill 6 bytes: vpermb spreads them to a qword each, vpmultishiftqb moves
+// code k of a qword to its byte k, and vpermb looks the low 6 bits up (4 ops per 64 channels, in
+// natural order; e3m2, up to 28 x 16, does not fit a byte).
+struct IntE2M3 {
+  static constexpr int kFactor = 8, kBias = 60;
+  static constexpr bool kBlockScales = false;
+  struct State {
+    __m512i table, spread, shifts;
+  };
+  struct Layout {
+    alignas(64) std::array<std::uint8_t, 64> spread{}, shifts{};
+    constexpr Layout() {
+      for (std::size_t q = 0; q < 8; ++q) {
+        for (std::size_t b = 0; b < 8; ++b) {
+          spread[8 * q + b] = static_cast<std::uint8_t>(b < 6 ? 6 * q + b : 0);
+          shifts[8 * q + b] = static_cast<std::uint8_t>(6 * b);
+        }
+      }
+    }
+  };
+  static HWY_INLINE State MakeState() {
+    static constexpr IntCodeTable<kE2M3Spec, kFactor, kBias> kTable;
+    static constexpr Layout kLayout;
+    return {_mm512_load_si512(kTable.bytes.data()), _mm512_load_si512(kLayout.spread.data()),
+            _mm512_load_si512(kLayout.shifts.data())};
+  }
+  static HWY_INLINE __m512i Decode64(const State& s, const std::uint8_t* codes) {
+    const __m512i bytes = _mm512_maskz_loadu_epi8((__mmask64{1} << 48) - 1, codes);
+    // (The maskz forms of vpermb with every lane kept: GCC 12 warns on the unmasked one.)
+    const __m512i spread = _mm512_maskz_permutexvar_epi8(~__mmask64{0}, s.spread, bytes);
+    return _mm512_maskz_permutexvar_epi8(~__mmask64{0},
+                                         _mm512_multishift_epi64_epi8(s.shifts, spread), s.table);
+  }
+  static HWY_INLINE void Decode(const State& s, const std::uint8_t* row, std::size_t chunk,
+                                __m512i& x0, __m512i& x1) {
+    x0 = Decode64(s, row + chunk * 96);
+    x1 = Decode64(s, row + chunk * 96 + 48);
+  }
+  static constexpr std::size_t Channel(std::size_t j, std::size_t i) { return 64 * j + i; }
+};
+
+// nvfp4: the e2m1 codes as IntE2M1 decodes them, and each 16-channel block's e4m3 scale (after
+// the D / 2 code bytes) multiplies its integer sums. Lane l of a chunk's vpdpbusd sums channels
+// 8 l .. 8 l + 7 (4 even, 4 odd), all of block 8 chunk + l / 2, so each (row, key, chunk) takes
+// its own int32 sums, converted and multiplied into fp32 by the chunk's scale vector; each row's
+// lanes start at -12 times the sum of their own 8 channels of q. The scores are fp32 sums of
+// block products then, as the bf16 dot products' are (bf16_dot-inl.h).
+struct IntNvfp4 : IntE2M1 {
+  static constexpr bool kBlockScales = true;
+  // Lane l: the true value of the scale of block 8 chunk + l / 2 of a row of d channels.
+  static HWY_INLINE hn::Vec<WideFloatTag> ChunkScales(const std::uint8_t* row, std::size_t chunk,
+                                                      std::size_t d) {
+    const WideFloatTag df;
+    const hn::RebindToSigned<WideFloatTag> di;
+    alignas(64) static constexpr std::int32_t kBlockOfLane[16] = {0, 0, 1, 1, 2, 2, 3, 3,
+                                                                  4, 4, 5, 5, 6, 6, 7, 7};
+    const auto lanes = hn::Add(hn::Load(di, kBlockOfLane),
+                               hn::Set(di, static_cast<std::int32_t>(8 * (chunk % 2))));
+    return hn::TableLookupLanes(DotNvfp4::GroupScales(row, chunk / 2, d),
+                                hn::IndicesFromVec(df, lanes));
+  }
+};
+
+// int32 starts a row keeps (PrepareInt8Query): one, or 16 lanes per chunk with block scales.
+template <class Dec>
+constexpr std::size_t StartsPerRow(std::size_t d) {
+  return Dec::kBlockScales ? d / kInt8Chunk * 16 : 1;
 }
 
-// q_bytes [R][d] (signed int8, per chunk of 128 channels the 64 even channels then the 64 odd
-// ones) and start [R] (-12 times the row's sum) from qn [R][D]: the int8 codes of Q mode int8,
-// as floats in natural order.
-inline void PrepareInt8Query(const float* HWY_RESTRICT qn, int rows, std::size_t d,
-                             std::int8_t* HWY_RESTRICT q_bytes, std::int32_t* HWY_RESTRICT start) {
+// The formats with an integer decoder.
+inline bool HasIntDecoder(Format format) {
+  return format == Format::fp4_e2m1 || format == Format::fp6_e2m3 || format == Format::nvfp4;
+}
+// Calls f.template operator()<Dec>() with the integer decoder of `format` (HasIntDecoder).
+template <class F>
+HWY_INLINE void VisitIntDecoder(Format format, F&& f) {
+  if (format == Format::fp6_e2m3) {
+    f.template operator()<IntE2M3>();
+  } else if (format == Format::nvfp4) {
+    f.template operator()<IntNvfp4>();
+  } else {
+    f.template operator()<IntE2M1>();
+  }
+}
+
+// q_bytes [R][d] (signed int8 in Dec's channel order per chunk of 128) and start
+// [R][StartsPerRow] (-kBias times the row's sum, or with block scales times each chunk lane's
+// sum) from qn [R][D]: the int8 codes of Q mode int8, as floats in natural order.
+template <class Dec>
+void PrepareInt8Query(const float* HWY_RESTRICT qn, int rows, std::size_t d,
+                      std::int8_t* HWY_RESTRICT q_bytes, std::int32_t* HWY_RESTRICT start) {
   for (int r = 0; r < rows; ++r) {
     const float* src = qn + std::size_t(r) * d;
     std::int8_t* dst = q_bytes + std::size_t(r) * d;
-    std::int32_t sum = 0;
+    std::int32_t* row_start = start + r * StartsPerRow<Dec>(d);
+    std::fill(row_start, row_start + StartsPerRow<Dec>(d), 0);
     for (std::size_t c0 = 0; c0 < d; c0 += kInt8Chunk) {
-      for (std::size_t i = 0; i < kInt8Chunk / 2; ++i) {
-        const auto even = static_cast<std::int32_t>(src[c0 + 2 * i]);
-        const auto odd = static_cast<std::int32_t>(src[c0 + 2 * i + 1]);
-        dst[c0 + i] = static_cast<std::int8_t>(even);
-        dst[c0 + kInt8Chunk / 2 + i] = static_cast<std::int8_t>(odd);
-        sum += even + odd;
+      for (std::size_t j = 0; j < 2; ++j) {
+        for (std::size_t i = 0; i < kInt8Chunk / 2; ++i) {
+          const auto code = static_cast<std::int32_t>(src[c0 + Dec::Channel(j, i)]);
+          dst[c0 + j * (kInt8Chunk / 2) + i] = static_cast<std::int8_t>(code);
+          row_start[Dec::kBlockScales ? c0 / kInt8Chunk * 16 + i / 4 : 0] -= Dec::kBias * code;
+        }
       }
     }
-    start[r] = -kE2M1IntBias * sum;
   }
 }
 
@@ -104,30 +209,57 @@ HWY_PUSH_ATTRIBUTES("avx512vnni")
 // Scores of kRows query rows (q_bytes d apart) against the 4 K rows k[0..3]: kRows x 4 int32
 // accumulators, each K chunk decoded once for all rows. Writes scale times row r's sum for key i
 // to out[r * stride + i].
-template <int kRows>
+template <class Dec, int kRows>
 HWY_INLINE void Int8Block(const std::int8_t* HWY_RESTRICT q, std::size_t d,
-                          const std::int32_t* start, const std::uint8_t* const* k, __m512i table,
-                          float scale, float* out, std::size_t stride) {
+                          const std::int32_t* start, const std::uint8_t* const* k,
+                          const typename Dec::State& state, float scale, float* out,
+                          std::size_t stride) {
   const WideFloatTag df;
-  __m512i a[kRows][4];
-  for (int r = 0; r < kRows; ++r) {
-    const __m512i first = _mm512_maskz_set1_epi32(__mmask16{1}, start[r]);
-    for (auto& acc : a[r]) acc = first;
-  }
-  for (std::size_t c = 0; c < d / kInt8Chunk; ++c) {
-    __m512i even[4], odd[4];
-    for (int i = 0; i < 4; ++i) DecodeE2M1Int(table, k[i], c, even[i], odd[i]);
-    for (int r = 0; r < kRows; ++r) {
-      const std::int8_t* qr = q + r * d + c * kInt8Chunk;
-      const __m512i q0 = _mm512_loadu_si512(qr);
-      for (int i = 0; i < 4; ++i) a[r][i] = _mm512_dpbusd_epi32(a[r][i], even[i], q0);
-      const __m512i q1 = _mm512_loadu_si512(qr + kInt8Chunk / 2);
-      for (int i = 0; i < 4; ++i) a[r][i] = _mm512_dpbusd_epi32(a[r][i], odd[i], q1);
-    }
-  }
   hn::Vec<WideFloatTag> sums[kRows][4];
-  for (int r = 0; r < kRows; ++r) {
-    for (int i = 0; i < 4; ++i) sums[r][i].raw = _mm512_cvtepi32_ps(a[r][i]);
+  if constexpr (Dec::kBlockScales) {
+    for (auto& row : sums) {
+      for (auto& sum : row) sum = hn::Zero(df);
+    }
+    const std::size_t chunks = d / kInt8Chunk;
+    for (std::size_t c = 0; c < chunks; ++c) {
+      __m512i even[4], odd[4];
+      hn::Vec<WideFloatTag> scales[4];
+      for (int i = 0; i < 4; ++i) {
+        Dec::Decode(state, k[i], c, even[i], odd[i]);
+        scales[i] = Dec::ChunkScales(k[i], c, d);
+      }
+      for (int r = 0; r < kRows; ++r) {
+        const std::int8_t* qr = q + r * d + c * kInt8Chunk;
+        const __m512i q0 = _mm512_loadu_si512(qr), q1 = _mm512_loadu_si512(qr + kInt8Chunk / 2);
+        const __m512i first = _mm512_loadu_si512(start + (r * chunks + c) * 16);
+        for (int i = 0; i < 4; ++i) {
+          const __m512i block_sums =
+              _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(first, even[i], q0), odd[i], q1);
+          sums[r][i] = hn::MulAdd(hn::Vec<WideFloatTag>{_mm512_cvtepi32_ps(block_sums)}, scales[i],
+                                  sums[r][i]);
+        }
+      }
+    }
+  } else {
+    __m512i a[kRows][4];
+    for (int r = 0; r < kRows; ++r) {
+      const __m512i first = _mm512_maskz_set1_epi32(__mmask16{1}, start[r]);
+      for (auto& acc : a[r]) acc = first;
+    }
+    for (std::size_t c = 0; c < d / kInt8Chunk; ++c) {
+      __m512i even[4], odd[4];  // the chunk's two vectors of each key
+      for (int i = 0; i < 4; ++i) Dec::Decode(state, k[i], c, even[i], odd[i]);
+      for (int r = 0; r < kRows; ++r) {
+        const std::int8_t* qr = q + r * d + c * kInt8Chunk;
+        const __m512i q0 = _mm512_loadu_si512(qr);
+        for (int i = 0; i < 4; ++i) a[r][i] = _mm512_dpbusd_epi32(a[r][i], even[i], q0);
+        const __m512i q1 = _mm512_loadu_si512(qr + kInt8Chunk / 2);
+        for (int i = 0; i < 4; ++i) a[r][i] = _mm512_dpbusd_epi32(a[r][i], odd[i], q1);
+      }
+    }
+    for (int r = 0; r < kRows; ++r) {
+      for (int i = 0; i < 4; ++i) sums[r][i].raw = _mm512_cvtepi32_ps(a[r][i]);
+    }
   }
   if constexpr (kRows == 4) {
     StoreSums4x4(df, sums, scale, out, stride);
@@ -137,17 +269,17 @@ HWY_INLINE void Int8Block(const std::int8_t* HWY_RESTRICT q, std::size_t d,
   }
 }
 
-// scores[r][t] = scale * q_r . k_t for the count e2m1 K rows at bases[t] + offset, as ScoresDot
+// scores[r][t] = scale * q_r . k_t for the count K rows at bases[t] + offset, as ScoresDot
 // does it with bf16 dot products (bf16_dot-inl.h), keys in groups of 4 (a group of fewer repeats
 // its last key and writes up to 3 scores past `count`, inside each scores row's padding);
-// q_bytes and start from PrepareInt8Query, scale the score scale / kE2M1IntFactor.
+// q_bytes and start from PrepareInt8Query, scale the score scale / Dec::kFactor.
+template <class Dec>
 HWY_NOINLINE void ScoresInt8(const std::int8_t* HWY_RESTRICT q_bytes,
                              const std::int32_t* HWY_RESTRICT start, int rows, std::size_t d,
                              const std::uint8_t* const* bases, std::int64_t offset, int count,
                              float scale, float* HWY_RESTRICT scores, std::size_t stride,
                              TilePrefetcher& prefetch, int prefetch_per_key) {
-  static constexpr E2M1IntTable kTable;
-  const __m512i table = _mm512_load_si512(kTable.bytes.data());
+  const auto state = Dec::MakeState();
   for (int t = 0; t < count; t += 4) {
     const int keys = count - t < 4 ? count - t : 4;
     prefetch.Issue(keys * prefetch_per_key);
@@ -155,10 +287,12 @@ HWY_NOINLINE void ScoresInt8(const std::int8_t* HWY_RESTRICT q_bytes,
     for (int i = 0; i < 4; ++i) k[i] = bases[t + (i < keys ? i : keys - 1)] + offset;
     int r = 0;
     for (; r + 4 <= rows; r += 4) {
-      Int8Block<4>(q_bytes + r * d, d, start + r, k, table, scale, scores + r * stride + t, stride);
+      Int8Block<Dec, 4>(q_bytes + r * d, d, start + r * StartsPerRow<Dec>(d), k, state, scale,
+                        scores + r * stride + t, stride);
     }
     for (; r < rows; ++r) {
-      Int8Block<1>(q_bytes + r * d, d, start + r, k, table, scale, scores + r * stride + t, stride);
+      Int8Block<Dec, 1>(q_bytes + r * d, d, start + r * StartsPerRow<Dec>(d), k, state, scale,
+                        scores + r * stride + t, stride);
     }
   }
 }
