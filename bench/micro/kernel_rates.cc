@@ -71,8 +71,9 @@ void Decode(benchmark::State& state, Format format, int group, int q_len, QMode 
 
   const double token_heads = double(kContext) * kKvHeads * state.iterations();
   // QK and PV, 2 flops per multiply-add; QK's at twice the rate where it runs on bf16 dot
-  // products (2 multiply-adds per lane and instruction).
-  const double qk_share = cpu::bf16_dot_applies(format, q_mode, kHeadDim) ? 0.5 : 1.0;
+  // products (2 multiply-adds per lane and instruction), 4 times in integers (4).
+  const bool int8 = q_mode == QMode::int8 && cpu::int8_dot_applies(format, kHeadDim);
+  const double qk_share = int8 ? 0.25 : cpu::bf16_dot_applies(format, q_mode, kHeadDim) ? 0.5 : 1.0;
   const double flops_per_token_head = 2.0 * group * q_len * kHeadDim * (1.0 + qk_share);
   state.counters["ns_per_token_head"] = benchmark::Counter(
       token_heads / 1e9, benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
@@ -121,9 +122,14 @@ void FmaPeak(benchmark::State& state) {
 }
 
 const int registered = [] {
-  // Q in fp32 (the default) and in bf16, where CPUs with AVX512_BF16 run Q . K on dot products.
-  for (const QMode q_mode : {QMode::fp32, QMode::bf16}) {
+  // Q in fp32 (the default) and in bf16, where CPUs with AVX512_BF16 run Q . K on dot products;
+  // in int8 for the formats whose codes are small integers (in integer dot products with VNNI).
+  for (const QMode q_mode : {QMode::fp32, QMode::bf16, QMode::int8}) {
     for (const Format format : kAllFormats) {
+      if (q_mode == QMode::int8 && format != Format::fp4_e2m1 && format != Format::fp6_e2m3 &&
+          format != Format::nvfp4) {
+        continue;
+      }
       for (const auto [group, q_len] : {std::pair{4, 1}, std::pair{4, 4}, std::pair{8, 1}}) {
         const std::string name = "Decode/" + std::string(to_string(format)) + "/g" +
                                  std::to_string(group) + "/q_len" + std::to_string(q_len) + "/q" +

@@ -845,6 +845,15 @@ bool HasInt8Dot() {
 #endif
 }
 
+bool HasInt8DotFor(Format format) {
+#if !MJOLNIR_PORTABLE_TARGET && MJOLNIR_INT8_DOT
+  return CpuHasInt8Dot() && HasIntDecoder(format);
+#else
+  (void)format;
+  return false;
+#endif
+}
+
 }  // namespace mjolnir::cpu::HWY_NAMESPACE
 HWY_AFTER_NAMESPACE();
 
@@ -856,6 +865,7 @@ HWY_EXPORT(RunWorkUnit);
 HWY_EXPORT(TargetName);
 HWY_EXPORT(HasBf16Dot);
 HWY_EXPORT(HasInt8Dot);
+HWY_EXPORT(HasInt8DotFor);
 
 float* KernelScratch::floats(int slot, std::size_t count) {
   if (capacity_[slot] < count) {
@@ -911,8 +921,7 @@ bool cpu_has_bf16_dot() { return HWY_DYNAMIC_DISPATCH(HasBf16Dot)(); }
 bool cpu_has_int8_dot() { return HWY_DYNAMIC_DISPATCH(HasInt8Dot)(); }
 
 bool int8_dot_applies(Format format, int head_dim) {
-  return (format == Format::fp4_e2m1 || format == Format::fp6_e2m3 || format == Format::nvfp4) &&
-         head_dim % 128 == 0 && cpu_has_int8_dot();
+  return head_dim % 128 == 0 && HWY_DYNAMIC_DISPATCH(HasInt8DotFor)(format);
 }
 
 std::uint64_t bf16_dot_items() { return g_bf16_dot_items.load(); }

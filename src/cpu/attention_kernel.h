@@ -80,10 +80,11 @@ std::uint64_t bf16_dot_items();
 // Whether the dispatched target has the integer dot products compiled and the CPU runs them.
 bool cpu_has_int8_dot();
 // Whether steps of this format and head size run Q . K in integers in Q mode int8 below the
-// AMX tiles' rows: fp4_e2m1 or fp6_e2m3, D a multiple of 128, the integer dot products here.
+// AMX tiles' rows: D a multiple of 128, and the dispatched target decodes the format into bytes
+// (AVX-512 VNNI: fp4_e2m1, fp6_e2m3, nvfp4; AVX2: fp4_e2m1).
 bool int8_dot_applies(Format format, int head_dim);
-// Work items whose Q . K ran in integers (Q mode int8 against fp4_e2m1 or fp6_e2m3 codes, D a
-// multiple of 128, on the AVX3_DL target: VNNI; cpu/int8_dot-inl.h) since the process started.
+// Work items whose Q . K ran in integers (Q mode int8, int8_dot_applies; cpu/int8_dot-inl.h)
+// since the process started.
 std::uint64_t int8_dot_items();
 
 // Whether steps of this format, P mode and head size run P . V on AMX tiles from kAmxMinRows (8)

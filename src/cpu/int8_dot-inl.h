@@ -11,9 +11,10 @@
 //
 // The sums are converted to fp32 (exact: |sum| < 2^24) and reduced like the other blocks' sums,
 // then times the kernel's scale (the score scale / factor): the emulator's scores bit for bit.
-// Only the AVX3_DL target compiles it, and it runs on CPUs with AVX512_VNNI (Ice Lake and later,
-// Zen 4 and later); it applies from 128 channels a chunk (D a multiple of 128). Per-target header,
-// see kv_decode-inl.h.
+// The AVX3_DL target runs it on CPUs with AVX512_VNNI (Ice Lake and later, Zen 4 and later); the
+// AVX2 and AVX3 targets, which have no vpdpbusd, run fp4_e2m1 with vpmaddubsw and vpmaddwd (at the
+// end of this file). It applies from 128 channels a chunk (D a multiple of 128). Per-target
+// header, see kv_decode-inl.h.
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -43,16 +44,11 @@ namespace mjolnir::cpu::HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
 #undef MJOLNIR_INT8_DOT
-#if HWY_TARGET == HWY_AVX3_DL
+#if HWY_TARGET == HWY_AVX3_DL || HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX2
 #define MJOLNIR_INT8_DOT 1
 
-// True when this CPU executes vpdpbusd (Highway 1.0.3's AVX3_DL does not require it).
-inline bool CpuHasInt8Dot() {
-  static const bool has = __builtin_cpu_supports("avx512vnni") != 0;
-  return has;
-}
-
-// Channels per chunk: 128, decoded into two vectors of 64 unsigned bytes each.
+// Channels per chunk: 128, decoded into vectors of unsigned bytes (two of 64 with AVX-512 VNNI,
+// four of 32 on AVX2).
 inline constexpr std::size_t kInt8Chunk = 128;
 
 // The unsigned byte value * kFactor + kBias of every code of a format, repeated to 64 entries
@@ -72,11 +68,20 @@ struct IntCodeTable {
   }
 };
 
+#if HWY_TARGET == HWY_AVX3_DL
+
+// True when this CPU executes vpdpbusd (Highway 1.0.3's AVX3_DL does not require it).
+inline bool CpuHasInt8Dot() {
+  static const bool has = __builtin_cpu_supports("avx512vnni") != 0;
+  return has;
+}
+
 // fp4 e2m1: values 0, 0.5, 1, 1.5, 2, 3, 4, 6 times 2 are -12..12. A chunk is one 64-byte row of
 // codes: the low nibbles (even channels) by one vpshufb, the high ones (odd channels) by another.
 struct IntE2M1 {
   static constexpr int kFactor = 2, kBias = 12;
   static constexpr bool kBlockScales = false;
+  static constexpr std::size_t kVectors = 2, kVectorBytes = 64;
   struct State {
     __m512i table;
   };
@@ -102,6 +107,7 @@ struct IntE2M1 {
 struct IntE2M3 {
   static constexpr int kFactor = 8, kBias = 60;
   static constexpr bool kBlockScales = false;
+  static constexpr std::size_t kVectors = 2, kVectorBytes = 64;
   struct State {
     __m512i table, spread, shifts;
   };
@@ -159,12 +165,6 @@ struct IntNvfp4 : IntE2M1 {
   }
 };
 
-// int32 starts a row keeps (PrepareInt8Query): one, or 16 lanes per chunk with block scales.
-template <class Dec>
-constexpr std::size_t StartsPerRow(std::size_t d) {
-  return Dec::kBlockScales ? d / kInt8Chunk * 16 : 1;
-}
-
 // The formats with an integer decoder.
 inline bool HasIntDecoder(Format format) {
   return format == Format::fp4_e2m1 || format == Format::fp6_e2m3 || format == Format::nvfp4;
@@ -181,6 +181,55 @@ HWY_INLINE void VisitIntDecoder(Format format, F&& f) {
   }
 }
 
+#else  // AVX2, and AVX-512 without VNNI (the AVX3 target)
+
+// vpmaddubsw and vpmaddwd: every CPU of these targets has them.
+inline bool CpuHasInt8Dot() { return true; }
+
+// As the AVX-512 IntE2M1, in four vectors of 32 bytes: the even and the odd channels of each half
+// of a chunk.
+struct IntE2M1 {
+  static constexpr int kFactor = 2, kBias = 12;
+  static constexpr bool kBlockScales = false;
+  static constexpr std::size_t kVectors = 4, kVectorBytes = 32;
+  struct State {
+    __m256i table;
+  };
+  static HWY_INLINE State MakeState() {
+    static constexpr IntCodeTable<kE2M1Spec, kFactor, kBias> kTable;
+    return {_mm256_load_si256(reinterpret_cast<const __m256i*>(kTable.bytes.data()))};
+  }
+  static HWY_INLINE void Decode(const State& s, const std::uint8_t* row, std::size_t chunk,
+                                __m256i (&x)[4]) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    for (int m = 0; m < 2; ++m) {
+      const __m256i codes =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + chunk * 64 + 32 * m));
+      x[2 * m] = _mm256_shuffle_epi8(s.table, _mm256_and_si256(codes, nibble));
+      x[2 * m + 1] =
+          _mm256_shuffle_epi8(s.table, _mm256_and_si256(_mm256_srli_epi16(codes, 4), nibble));
+    }
+  }
+  // Channel (within its chunk) of byte i of vector j.
+  static constexpr std::size_t Channel(std::size_t j, std::size_t i) {
+    return 64 * (j / 2) + 2 * i + j % 2;
+  }
+};
+
+inline bool HasIntDecoder(Format format) { return format == Format::fp4_e2m1; }
+template <class F>
+HWY_INLINE void VisitIntDecoder(Format, F&& f) {
+  f.template operator()<IntE2M1>();
+}
+
+#endif  // HWY_TARGET == HWY_AVX3_DL
+
+// int32 starts a row keeps (PrepareInt8Query): one, or 16 lanes per chunk with block scales.
+template <class Dec>
+constexpr std::size_t StartsPerRow(std::size_t d) {
+  return Dec::kBlockScales ? d / kInt8Chunk * 16 : 1;
+}
+
 // q_bytes [R][d] (signed int8 in Dec's channel order per chunk of 128) and start
 // [R][StartsPerRow] (-kBias times the row's sum, or with block scales times each chunk lane's
 // sum) from qn [R][D]: the int8 codes of Q mode int8, as floats in natural order.
@@ -193,10 +242,10 @@ void PrepareInt8Query(const float* HWY_RESTRICT qn, int rows, std::size_t d,
     std::int32_t* row_start = start + r * StartsPerRow<Dec>(d);
     std::fill(row_start, row_start + StartsPerRow<Dec>(d), 0);
     for (std::size_t c0 = 0; c0 < d; c0 += kInt8Chunk) {
-      for (std::size_t j = 0; j < 2; ++j) {
-        for (std::size_t i = 0; i < kInt8Chunk / 2; ++i) {
+      for (std::size_t j = 0; j < Dec::kVectors; ++j) {
+        for (std::size_t i = 0; i < Dec::kVectorBytes; ++i) {
           const auto code = static_cast<std::int32_t>(src[c0 + Dec::Channel(j, i)]);
-          dst[c0 + j * (kInt8Chunk / 2) + i] = static_cast<std::int8_t>(code);
+          dst[c0 + j * Dec::kVectorBytes + i] = static_cast<std::int8_t>(code);
           row_start[Dec::kBlockScales ? c0 / kInt8Chunk * 16 + i / 4 : 0] -= Dec::kBias * code;
         }
       }
@@ -204,6 +253,7 @@ void PrepareInt8Query(const float* HWY_RESTRICT qn, int rows, std::size_t d,
   }
 }
 
+#if HWY_TARGET == HWY_AVX3_DL
 HWY_PUSH_ATTRIBUTES("avx512vnni")
 
 // Scores of kRows query rows (q_bytes d apart) against the 4 K rows k[0..3]: kRows x 4 int32
@@ -299,9 +349,70 @@ HWY_NOINLINE void ScoresInt8(const std::int8_t* HWY_RESTRICT q_bytes,
 
 HWY_POP_ATTRIBUTES
 
+#else  // AVX2 and AVX3
+
+// Row r's sum for one key: 4 vpmaddubsw per chunk (each int16 lane at most 2 x 24 x 127; the
+// four together below 2^15), one vpmaddwd into int32 lanes, which start at `start`.
+template <class Dec>
+HWY_INLINE __m256i Int8RowSums(const std::int8_t* HWY_RESTRICT q, std::size_t d, std::int32_t start,
+                               const std::uint8_t* k, const typename Dec::State& state) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i acc = _mm256_setr_epi32(start, 0, 0, 0, 0, 0, 0, 0);
+  for (std::size_t c = 0; c < d / kInt8Chunk; ++c) {
+    __m256i x[4];
+    Dec::Decode(state, k, c, x);
+    const auto* qc = reinterpret_cast<const __m256i*>(q + c * kInt8Chunk);
+    const __m256i s01 = _mm256_add_epi16(_mm256_maddubs_epi16(x[0], _mm256_loadu_si256(qc)),
+                                         _mm256_maddubs_epi16(x[1], _mm256_loadu_si256(qc + 1)));
+    const __m256i s23 = _mm256_add_epi16(_mm256_maddubs_epi16(x[2], _mm256_loadu_si256(qc + 2)),
+                                         _mm256_maddubs_epi16(x[3], _mm256_loadu_si256(qc + 3)));
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_add_epi16(s01, s23), ones));
+  }
+  return acc;
+}
+
+// As the AVX-512 ScoresInt8, key by key, 4 rows at a time (16 registers): each key's chunk is
+// decoded once per 4 rows, and the 4 rows' int32 lanes are summed by three vphaddd.
+template <class Dec>
+HWY_NOINLINE void ScoresInt8(const std::int8_t* HWY_RESTRICT q_bytes,
+                             const std::int32_t* HWY_RESTRICT start, int rows, std::size_t d,
+                             const std::uint8_t* const* bases, std::int64_t offset, int count,
+                             float scale, float* HWY_RESTRICT scores, std::size_t stride,
+                             TilePrefetcher& prefetch, int prefetch_per_key) {
+  const auto state = Dec::MakeState();
+  const __m128 scale4 = _mm_set1_ps(scale);
+  for (int t = 0; t < count; ++t) {
+    prefetch.Issue(prefetch_per_key);
+    const std::uint8_t* k = bases[t] + offset;
+    int r = 0;
+    for (; r + 4 <= rows; r += 4) {
+      __m256i a[4];
+      for (int i = 0; i < 4; ++i) {
+        a[i] = Int8RowSums<Dec>(q_bytes + (r + i) * d, d, start[r + i], k, state);
+      }
+      const __m256i h =
+          _mm256_hadd_epi32(_mm256_hadd_epi32(a[0], a[1]), _mm256_hadd_epi32(a[2], a[3]));
+      const __m128i sums = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+      alignas(16) float s[4];
+      _mm_store_ps(s, _mm_mul_ps(_mm_cvtepi32_ps(sums), scale4));
+      for (int i = 0; i < 4; ++i) scores[(r + i) * stride + t] = s[i];
+    }
+    for (; r < rows; ++r) {
+      alignas(32) std::int32_t lanes[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(lanes),
+                         Int8RowSums<Dec>(q_bytes + r * d, d, start[r], k, state));
+      std::int32_t sum = 0;
+      for (const std::int32_t x : lanes) sum += x;
+      scores[r * stride + t] = static_cast<float>(sum) * scale;
+    }
+  }
+}
+
+#endif  // HWY_TARGET == HWY_AVX3_DL
+
 #else
 #define MJOLNIR_INT8_DOT 0
-#endif  // HWY_AVX3_DL
+#endif  // AVX3_DL, AVX3, AVX2
 
 }  // namespace mjolnir::cpu::HWY_NAMESPACE
 HWY_AFTER_NAMESPACE();
