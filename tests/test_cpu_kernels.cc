@@ -483,6 +483,28 @@ TEST_P(CpuKernelMatrix, NonFiniteInputsPoisonExactlyTheRowsThatMeetThem) {
   }
 }
 
+// A Q . K test case: `format`, D, g and q_len as given, P in fp32 and Q in fp32 until the caller
+// sets them, and the rest varied by `index` (layout, pages of 8 to 64 tokens, KV heads, causal,
+// scale granularity, tiles of 16 to 64 keys, splits), with sequences that end inside a block.
+verify::Case QkCase(Format format, int d, int g, int q_len, int index, std::uint64_t seed) {
+  verify::Case c;
+  verify::ProblemSpec& s = c.spec;
+  s.format = format;
+  s.layout = kAllLayouts[index % 6];
+  s.page_size = 8 << (index % 4);
+  s.head_dim = d;
+  s.group = g;
+  s.num_kv_heads = 1 + index % 3;
+  s.params.q_len = q_len;
+  s.params.causal = index % 2 == 0;
+  s.granularity = ScaleGranularity(index % 3);
+  s.seed = seed;
+  c.tile_tokens = 16 << (index % 3);
+  c.splits = 1 + index % 2;
+  s.seq_lens = {q_len, 113, 301, s.page_size + 1};
+  return c;
+}
+
 // Q . K in integers (Q mode int8 against fp4_e2m1, fp6_e2m3 and nvfp4 codes with AVX-512 VNNI,
 // fp4_e2m1 on AVX2) against the emulator on every x86 target, and the rest on the other paths:
 // group sizes and q_len that exercise the 4-row blocks, leftover rows and key groups of fewer than
@@ -500,6 +522,7 @@ TEST_P(CpuKernelMatrix, Int8DotMatchesEmulator) {
   const bool amx = cpu::amx_enabled();
   cpu::set_amx_enabled(false);
   const auto backend = make_backend("cpu", BackendOptions{.threads = 2});
+  const bool vnni = cpu::kernel_target() == "AVX3_DL";  // fp4_e2m1 only on AVX2 and AVX3
   std::mt19937_64 rng(mjolnir::testing::test_seed() + 37);
   const int shapes[][2] = {{1, 1}, {4, 1}, {8, 1}, {3, 2}, {4, 4}, {5, 3}, {16, 2}};
   int index = 0;
@@ -508,28 +531,12 @@ TEST_P(CpuKernelMatrix, Int8DotMatchesEmulator) {
     for (const PMode p_mode : {PMode::fp32, PMode::bf16}) {
       for (const int d : {64, 128, 192, 256}) {
         for (const auto [g, q_len] : shapes) {
-          verify::Case c;
-          verify::ProblemSpec& s = c.spec;
-          s.format = format;
-          s.layout = kAllLayouts[index % 6];
-          s.page_size = 8 << (index % 4);
-          s.head_dim = d;
-          s.group = g;
-          s.num_kv_heads = 1 + index % 3;
-          s.params.q_len = q_len;
-          s.params.causal = index % 2 == 0;
-          s.params.q_mode = QMode::int8;
-          s.params.p_mode = p_mode;
-          s.granularity = ScaleGranularity(index % 3);
-          s.seed = rng();
-          c.tile_tokens = 16 << (index % 3);
-          c.splits = 1 + index % 2;
-          s.seq_lens = {q_len, 113, 301, s.page_size + 1};
-          ++index;
+          verify::Case c = QkCase(format, d, g, q_len, index++, rng());
+          c.spec.params.q_mode = QMode::int8;
+          c.spec.params.p_mode = p_mode;
           const std::uint64_t before = cpu::int8_dot_items();
           const verify::CaseResult r = verify::run_case(c, *backend);
           EXPECT_NE(r.status, verify::CaseResult::Status::failed) << c.name() << ": " << r.message;
-          const bool vnni = std::string_view(cpu::kernel_target()) == "AVX3_DL";
           if (d % 128 == 0 &&
               (format == Format::fp4_e2m1 || (vnni && format != Format::fp6_e3m2))) {
             EXPECT_GT(cpu::int8_dot_items(), before) << c.name() << " did not run in integers";
@@ -609,26 +616,13 @@ void ForEachQkCase(std::uint64_t seed, std::initializer_list<std::pair<int, int>
                         Format::fp6_e3m2, Format::fp4_e2m1, Format::nvfp4}) {
     for (int mode = 0; mode < 4; ++mode) {
       for (const auto [g, q_len] : shapes) {
-        verify::Case c;
+        verify::Case c = QkCase(format, 64 * (1 + index % 4), g, q_len, index, rng());
         verify::ProblemSpec& s = c.spec;
-        s.format = format;
-        s.layout = kAllLayouts[index % 6];
-        s.page_size = 8 << (index % 4);
-        s.head_dim = 64 * (1 + index % 4);
-        s.group = g;
-        s.num_kv_heads = 1 + index % 3;
-        s.params.q_len = q_len;
-        s.params.causal = index % 2 == 0;
         s.params.q_mode = mode == 0 ? QMode::bf16 : mode == 1 ? QMode::fp8 : QMode::fp32;
-        s.params.p_mode = PMode::fp32;
         s.bf16_queries = mode == 2;
         // Per-channel K scales fold into Q before it is used, so fp32 queries stay bf16 values
         // only with per-tensor or per-head scales.
         s.granularity = ScaleGranularity(index % (mode >= 2 ? 2 : 3));
-        s.seed = rng();
-        c.tile_tokens = 16 << (index % 3);
-        c.splits = 1 + index % 2;
-        s.seq_lens = {q_len, 113, 301, s.page_size + 1};
         ++index;
         run(c, mode, g, q_len);
       }

@@ -68,6 +68,13 @@ struct IntCodeTable {
   }
 };
 
+// e2m1's integers, for the decoders of every target: codes times 2, plus 12, as unsigned bytes.
+struct E2M1Integers {
+  static constexpr int kFactor = 2, kBias = 12;
+  static constexpr bool kBlockScales = false;
+  static constexpr IntCodeTable<kE2M1Spec, kFactor, kBias> kTable{};
+};
+
 #if HWY_TARGET == HWY_AVX3_DL
 
 // True when this CPU executes vpdpbusd (Highway 1.0.3's AVX3_DL does not require it).
@@ -78,17 +85,12 @@ inline bool CpuHasInt8Dot() {
 
 // fp4 e2m1: values 0, 0.5, 1, 1.5, 2, 3, 4, 6 times 2 are -12..12. A chunk is one 64-byte row of
 // codes: the low nibbles (even channels) by one vpshufb, the high ones (odd channels) by another.
-struct IntE2M1 {
-  static constexpr int kFactor = 2, kBias = 12;
-  static constexpr bool kBlockScales = false;
+struct IntE2M1 : E2M1Integers {
   static constexpr std::size_t kVectors = 2, kVectorBytes = 64;
   struct State {
     __m512i table;
   };
-  static HWY_INLINE State MakeState() {
-    static constexpr IntCodeTable<kE2M1Spec, kFactor, kBias> kTable;
-    return {_mm512_load_si512(kTable.bytes.data())};
-  }
+  static HWY_INLINE State MakeState() { return {_mm512_load_si512(kTable.bytes.data())}; }
   static HWY_INLINE void Decode(const State& s, const std::uint8_t* row, std::size_t chunk,
                                 __m512i& x0, __m512i& x1) {
     const __m512i nibble = _mm512_set1_epi8(0x0F);
@@ -188,15 +190,12 @@ inline bool CpuHasInt8Dot() { return true; }
 
 // As the AVX-512 IntE2M1, in four vectors of 32 bytes: the even and the odd channels of each half
 // of a chunk.
-struct IntE2M1 {
-  static constexpr int kFactor = 2, kBias = 12;
-  static constexpr bool kBlockScales = false;
+struct IntE2M1 : E2M1Integers {
   static constexpr std::size_t kVectors = 4, kVectorBytes = 32;
   struct State {
     __m256i table;
   };
   static HWY_INLINE State MakeState() {
-    static constexpr IntCodeTable<kE2M1Spec, kFactor, kBias> kTable;
     return {_mm256_load_si256(reinterpret_cast<const __m256i*>(kTable.bytes.data()))};
   }
   static HWY_INLINE void Decode(const State& s, const std::uint8_t* row, std::size_t chunk,
@@ -351,24 +350,27 @@ HWY_POP_ATTRIBUTES
 
 #else  // AVX2 and AVX3
 
-// Row r's sum for one key: 4 vpmaddubsw per chunk (each int16 lane at most 2 x 24 x 127; the
-// four together below 2^15), one vpmaddwd into int32 lanes, which start at `start`.
-template <class Dec>
-HWY_INLINE __m256i Int8RowSums(const std::int8_t* HWY_RESTRICT q, std::size_t d, std::int32_t start,
-                               const std::uint8_t* k, const typename Dec::State& state) {
+// The int32 lanes of kRows query rows (q_bytes d apart, starting at start[0 .. kRows)) for one
+// key: each chunk decoded once for all of them, then per row 4 vpmaddubsw (each int16 lane at
+// most 2 x 24 x 127; the four together below 2^15) and one vpmaddwd into the int32 lanes.
+template <class Dec, int kRows>
+HWY_INLINE void Int8RowSums(const std::int8_t* HWY_RESTRICT q, std::size_t d,
+                            const std::int32_t* start, const std::uint8_t* k,
+                            const typename Dec::State& state, __m256i (&a)[kRows]) {
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256i acc = _mm256_setr_epi32(start, 0, 0, 0, 0, 0, 0, 0);
+  for (int r = 0; r < kRows; ++r) a[r] = _mm256_setr_epi32(start[r], 0, 0, 0, 0, 0, 0, 0);
   for (std::size_t c = 0; c < d / kInt8Chunk; ++c) {
     __m256i x[4];
     Dec::Decode(state, k, c, x);
-    const auto* qc = reinterpret_cast<const __m256i*>(q + c * kInt8Chunk);
-    const __m256i s01 = _mm256_add_epi16(_mm256_maddubs_epi16(x[0], _mm256_loadu_si256(qc)),
-                                         _mm256_maddubs_epi16(x[1], _mm256_loadu_si256(qc + 1)));
-    const __m256i s23 = _mm256_add_epi16(_mm256_maddubs_epi16(x[2], _mm256_loadu_si256(qc + 2)),
-                                         _mm256_maddubs_epi16(x[3], _mm256_loadu_si256(qc + 3)));
-    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_add_epi16(s01, s23), ones));
+    for (int r = 0; r < kRows; ++r) {
+      const auto* qc = reinterpret_cast<const __m256i*>(q + r * d + c * kInt8Chunk);
+      const __m256i s01 = _mm256_add_epi16(_mm256_maddubs_epi16(x[0], _mm256_loadu_si256(qc)),
+                                           _mm256_maddubs_epi16(x[1], _mm256_loadu_si256(qc + 1)));
+      const __m256i s23 = _mm256_add_epi16(_mm256_maddubs_epi16(x[2], _mm256_loadu_si256(qc + 2)),
+                                           _mm256_maddubs_epi16(x[3], _mm256_loadu_si256(qc + 3)));
+      a[r] = _mm256_add_epi32(a[r], _mm256_madd_epi16(_mm256_add_epi16(s01, s23), ones));
+    }
   }
-  return acc;
 }
 
 // As the AVX-512 ScoresInt8, key by key, 4 rows at a time (16 registers): each key's chunk is
@@ -387,9 +389,7 @@ HWY_NOINLINE void ScoresInt8(const std::int8_t* HWY_RESTRICT q_bytes,
     int r = 0;
     for (; r + 4 <= rows; r += 4) {
       __m256i a[4];
-      for (int i = 0; i < 4; ++i) {
-        a[i] = Int8RowSums<Dec>(q_bytes + (r + i) * d, d, start[r + i], k, state);
-      }
+      Int8RowSums<Dec, 4>(q_bytes + r * d, d, start + r, k, state, a);
       const __m256i h =
           _mm256_hadd_epi32(_mm256_hadd_epi32(a[0], a[1]), _mm256_hadd_epi32(a[2], a[3]));
       const __m128i sums = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
@@ -398,9 +398,10 @@ HWY_NOINLINE void ScoresInt8(const std::int8_t* HWY_RESTRICT q_bytes,
       for (int i = 0; i < 4; ++i) scores[(r + i) * stride + t] = s[i];
     }
     for (; r < rows; ++r) {
+      __m256i a[1];
+      Int8RowSums<Dec, 1>(q_bytes + r * d, d, start + r, k, state, a);
       alignas(32) std::int32_t lanes[8];
-      _mm256_store_si256(reinterpret_cast<__m256i*>(lanes),
-                         Int8RowSums<Dec>(q_bytes + r * d, d, start[r], k, state));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), a[0]);
       std::int32_t sum = 0;
       for (const std::int32_t x : lanes) sum += x;
       scores[r * stride + t] = static_cast<float>(sum) * scale;
