@@ -15,6 +15,9 @@
 // The tile's V rows are prefetched while its scores compute, and the next tile's K rows while
 // its values accumulate (tile_prefetcher.h): pages are scattered through the block table, so no
 // hardware prefetcher can follow a sequence from one page to the next.
+// Which path each step takes (fp32 FMAs, the exact order, bf16 or int8 dot products, AMX tiles)
+// is chosen once per unit and head by kernel_paths-inl.h; each path lives in its own -inl.h.
+// This file holds the unit's set-up, the tile loop and step 5.
 //
 // Numerics. With P in fp32 scores use FMAs in any order and exp2 is a fast polynomial: they
 // differ from the emulator by fp32 rounding only. With P in bf16 P is rounded from those same
@@ -29,17 +32,10 @@
 #define HWY_TARGET_INCLUDE "cpu/attention_kernel.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 // Must come after foreach_target.h.
-#include "cpu/amx_scores-inl.h"
-#include "cpu/amx_values-inl.h"
-#include "cpu/bf16_dot-inl.h"
-#include "cpu/exact_scores-inl.h"
-#include "cpu/int8_dot-inl.h"
-#include "cpu/kernel_blocks-inl.h"
+#include "cpu/kernel_paths-inl.h"
 #include "cpu/kv_decode-inl.h"
-#include "cpu/minifloat_simd-inl.h"
 #include "cpu/non_finite_codes-inl.h"
 #include "cpu/online_softmax-inl.h"
-#include "cpu/word_decoders-inl.h"
 #include "hwy/highway.h"
 
 #include <algorithm>
@@ -59,11 +55,6 @@
 #include "cpu/attention_kernel.h"
 #include "cpu/item_context.h"
 #include "cpu/tile_prefetcher.h"
-
-namespace mjolnir::cpu {
-extern std::atomic<std::uint64_t> g_bf16_dot_items;  // behind bf16_dot_items()
-extern std::atomic<std::uint64_t> g_int8_dot_items;  // behind int8_dot_items()
-}  // namespace mjolnir::cpu
 
 HWY_BEFORE_NAMESPACE();
 namespace mjolnir::cpu::HWY_NAMESPACE {
@@ -94,13 +85,6 @@ void RunWorkUnit(const DecodeArgs& args, const Plan& plan, const WorkItem* items
 using FloatTag = WideFloatTag;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-// Keys decoded per pass of the exact path: their fp32 rows (16 x D floats, 8 KiB at D = 128)
-// stay in L1 while every query row uses them.
-constexpr int kSubTokens = 16;
-// Largest power of two folded into Q or P to bring raw decoded values back to a normal range
-// (kv_decode-inl.h): big enough for every format, small enough that Q up to 2^25 and P up to 256
-// stay finite.
-constexpr int kMaxFoldExp = 100;
 
 enum Slot : int {
   kQNatural,
@@ -138,237 +122,6 @@ void TokenBases(const ItemContext& it, const std::int32_t* pages, int first, int
   }
 }
 
-// --- Q ------------------------------------------------------------------------------------------
-
-// Step 1 of the contract for all R rows, exactly as the emulator does it: per-channel K scales
-// folded in, then rounded per Q mode. Writes qn [R][D] in natural channel order and returns the
-// score scale sq * k_scale * softmax_scale * log2(e). A row with a NaN or an infinity is zeroed
-// and flagged in poisoned [R] (1, else 0): the fp8 scale of the other rows is as if it were not
-// there, and the row comes out NaN (core/non_finite.h).
-float PrepareQuery(const ItemContext& it, float* HWY_RESTRICT qn, float* HWY_RESTRICT poisoned) {
-  const DecodeArgs& args = *it.args;
-  const KvCacheView& cache = args.cache;
-  const FloatTag df;
-  const std::size_t n = hn::Lanes(df);
-  const int d = it.d;
-  const bool channel_scales = cache.granularity == ScaleGranularity::channel;
-  const float* ks = channel_scales ? &cache.k_scale[std::size_t(it.item->kv_head) * d] : nullptr;
-  auto amax = hn::Zero(df);
-  for (int r = 0; r < it.rows; ++r) {
-    const float* q = args.q_row(*it.item, r, it.g);
-    float* out = qn + std::size_t(r) * d;
-    auto row_max = hn::Zero(df);
-    auto non_finite = hn::Zero(df);  // x - x: NaN where x is not finite
-    for (int c = 0; c < d; c += int(n)) {
-      auto v = hn::LoadU(df, q + c);
-      if (channel_scales) v = hn::Mul(v, hn::LoadU(df, ks + c));
-      row_max = hn::Max(row_max, hn::Abs(v));
-      non_finite = hn::Add(non_finite, hn::Sub(v, v));
-      hn::Store(v, df, out + c);
-    }
-    poisoned[r] = hn::AllFalse(df, hn::IsNaN(non_finite)) ? 0.0f : 1.0f;
-    if (poisoned[r] != 0.0f) {
-      std::fill(out, out + d, 0.0f);
-    } else {
-      amax = hn::Max(amax, row_max);
-    }
-  }
-  const std::size_t total = std::size_t(it.rows) * d;
-  float sq = 1.0f;
-  if (args.params.q_mode == QMode::bf16) {
-    for (std::size_t i = 0; i < total; i += n) {
-      hn::Store(RoundToMinifloat<kBf16Spec>(df, hn::Load(df, qn + i)), df, qn + i);
-    }
-  } else if (args.params.q_mode == QMode::fp8) {
-    const float max_abs = hn::GetLane(hn::MaxOfLanes(df, amax));
-    if (max_abs > 0.0f) sq = max_abs / kQFp8Max;
-    const auto divisor = hn::Set(df, sq);
-    for (std::size_t i = 0; i < total; i += n) {
-      const auto x = hn::Div(hn::Load(df, qn + i), divisor);
-      hn::Store(RoundToMinifloat<kE4M3Spec>(df, x), df, qn + i);
-    }
-  } else if (args.params.q_mode == QMode::int8) {  // as int8_code: nearest, ties to even
-    const float max_abs = hn::GetLane(hn::MaxOfLanes(df, amax));
-    if (max_abs > 0.0f) sq = max_abs / kQInt8Max;
-    const auto divisor = hn::Set(df, sq);
-    const auto top = hn::Set(df, kQInt8Max);
-    for (std::size_t i = 0; i < total; i += n) {
-      const auto x = hn::Round(hn::Div(hn::Load(df, qn + i), divisor));
-      hn::Store(hn::Min(hn::Max(x, hn::Neg(top)), top), df, qn + i);
-    }
-  }
-  const float k_outer = channel_scales ? 1.0f : cache.k_scale_at(it.item->kv_head, 0);
-  return sq * k_outer * args.params.effective_softmax_scale(d) * std::numbers::log2e_v<float>;
-}
-
-// Whether every one of the count values is a bf16 value (its low 16 bits are zero): Q in fp32
-// mode is then Q in bf16 mode, a bf16 model's queries with per-tensor or per-head K scales.
-bool AllBf16Values(const float* HWY_RESTRICT x, std::size_t count) {
-  const FloatTag df;
-  const hn::RebindToUnsigned<FloatTag> du;
-  auto low = hn::Zero(du);
-  for (std::size_t i = 0; i < count; i += hn::Lanes(df)) {
-    low = hn::Or(low, hn::BitCast(du, hn::Load(df, x + i)));
-  }
-  return hn::AllTrue(du, hn::Eq(hn::And(low, hn::Set(du, 0xFFFFu)), hn::Zero(du)));
-}
-
-// Largest |q| of the prepared rows.
-float MaxAbs(const float* HWY_RESTRICT x, std::size_t count) {
-  const FloatTag df;
-  auto m = hn::Zero(df);
-  for (std::size_t i = 0; i < count; i += hn::Lanes(df))
-    m = hn::Max(m, hn::Abs(hn::Load(df, x + i)));
-  return hn::GetLane(hn::MaxOfLanes(df, m));
-}
-
-// --- scores -------------------------------------------------------------------------------------
-
-// Stores the scores of 4 rows (`stride` apart) for keys t (a0) and t + 1 (a1) at out[row * stride]
-// and out[row * stride + 1]: each row's two scores sit side by side, so two shuffles and four
-// 8-byte stores do it, where eight single-lane stores cost a shuffle each.
-HWY_INLINE void StoreRowPairs(Float4 a0, Float4 a1, float* out, std::size_t stride) {
-  const Float4Tag d4;
-  const hn::CappedTag<float, 2> d2;
-  const auto rows01 = hn::InterleaveLower(d4, a0, a1);  // r0 t, r0 t+1, r1 t, r1 t+1
-  const auto rows23 = hn::InterleaveUpper(d4, a0, a1);
-  hn::StoreU(hn::LowerHalf(d2, rows01), d2, out);
-  hn::StoreU(hn::UpperHalf(d2, rows01), d2, out + stride);
-  hn::StoreU(hn::LowerHalf(d2, rows23), d2, out + 2 * stride);
-  hn::StoreU(hn::UpperHalf(d2, rows23), d2, out + 3 * stride);
-}
-
-// Stores the scores of 4 rows for one key at out[row * stride].
-HWY_INLINE void StoreRowColumn(Float4 a, float* out, std::size_t stride) {
-  alignas(16) float s[4];
-  hn::Store(a, Float4Tag(), s);
-  for (int j = 0; j < 4; ++j) out[j * stride] = s[j];
-}
-
-// Fast path: scores[r][first + t] = scale * q_r . k_t for the count K rows at bases[t] + offset,
-// with kernel-ready Q [R][D] (the decoder's channel order, folded power of two). The K rows of
-// the next tile are prefetched along the way, `prefetch_per_key` rows per key.
-template <class Dec>
-void ScoresFast(const ItemContext& it, const float* HWY_RESTRICT q,
-                const std::uint8_t* const* bases, std::int64_t offset, int count, float scale,
-                float* HWY_RESTRICT scores, std::size_t stride, TilePrefetcher& prefetch,
-                int prefetch_per_key) {
-  const std::size_t d = std::size_t(it.d);
-  const std::size_t chunks = d / ChunkChannels<Dec>();
-  const auto scale4 = hn::Set(Float4Tag(), scale);
-  // Keys per block of 4 rows: 4 where 32 registers hold a 4 x 4 block (whose loop takes 4
-  // vectors per step), else 2.
-  constexpr int kKeys = kWideRegisterFile ? 4 : 2;
-  const bool quads = d % (4 * hn::Lanes(typename Dec::Tag())) == 0;
-  // Keys t .. t + keys - 1 (keys 1 to kKeys) against every row.
-  const auto score_keys = [&](int t, int keys) HWY_ATTR {
-    prefetch.Issue(keys * prefetch_per_key);
-    const std::uint8_t* k[4];
-    for (int i = 0; i < 4; ++i) k[i] = bases[t + std::min(i, keys - 1)] + offset;
-    int r = 0;
-    for (; r + 8 <= it.rows; r += 8) {
-      for (int i = 0; i < keys; ++i) {
-        ScoreBlock8x1<Dec>(q + r * it.ld, it.ld, d, k[i], scale, scores + r * stride + t + i,
-                           stride);
-      }
-    }
-    for (; r + 4 <= it.rows; r += 4) {
-      float* out = scores + r * stride + t;
-      if constexpr (kKeys == 4) {
-        if (keys == 4 && quads) {
-          ScoreBlock4x4<Dec>(q + r * it.ld, it.ld, d, k, scale, out, stride);
-          continue;
-        }
-      }
-      for (int i = 0; i < keys; i += 2) {
-        Float4 a0, a1;
-        ScoreBlock4x2<Dec>(q + r * it.ld, it.ld, d, k[i], k[i + 1], 0, chunks, a0, a1);
-        if (i + 1 < keys) {
-          StoreRowPairs(hn::Mul(a0, scale4), hn::Mul(a1, scale4), out + i, stride);
-        } else {
-          StoreRowColumn(hn::Mul(a0, scale4), out + i, stride);
-        }
-      }
-    }
-    for (; r < it.rows; ++r) {
-      for (int i = 0; i < keys; i += 2) {
-        float s0, s1;
-        ScoreBlock1x2<Dec>(q + r * it.ld, d, k[i], k[i + 1], &s0, &s1);
-        scores[r * stride + t + i] = s0 * scale;
-        if (i + 1 < keys) scores[r * stride + t + i + 1] = s1 * scale;
-      }
-    }
-  };
-  for (int t = 0; t < count; t += kKeys) score_keys(t, std::min(kKeys, count - t));
-}
-
-// --- P . V ---------------------------------------------------------------------------------------
-
-// The rows of the next tile are prefetched along the way, prefetch_rows per pass over the tokens.
-// acc [R][ld] (decoder channel order) = alpha * acc + P [R][0, count) . the count V rows at
-// bases[t] + offset; alpha null: no rescale.
-template <class Dec>
-void AccumulateValues(const ItemContext& it, const float* HWY_RESTRICT probs, std::size_t stride,
-                      const std::uint8_t* const* bases, std::int64_t offset, int count,
-                      float* HWY_RESTRICT acc, const float* alpha, TilePrefetcher& prefetch,
-                      int prefetch_rows) {
-  const std::size_t d = std::size_t(it.d);
-  const std::size_t vectors = d / hn::Lanes(typename Dec::Tag());
-  // Vector pairs (v, v + 1): within one chunk (kJ = v mod kVectors) or two one-vector chunks.
-  const auto each_pair = [&](auto&& block) {
-    for (std::size_t v = 0; v < vectors; v += 2) {
-      prefetch.Issue(prefetch_rows);
-      const std::size_t c = v / Dec::kVectors;
-      if constexpr (Dec::kVectors == 4) {
-        if (v % 4 == 2) {
-          block(v, c, std::integral_constant<std::size_t, 2>());
-          continue;
-        }
-      }
-      block(v, c, std::integral_constant<std::size_t, 0>());
-    }
-  };
-  int r = 0;
-  if constexpr (kWideRegisterFile) {
-    for (; r + 8 <= it.rows; r += 8) {
-      const float* p = probs + std::size_t(r) * stride;
-      float* a = acc + r * it.ld;
-      const float* al = alpha != nullptr ? alpha + r : nullptr;
-      each_pair([&](std::size_t v, std::size_t c, auto j) HWY_ATTR {
-        prefetch.Issue(prefetch_rows);  // 8 rows do the work of two passes of 4
-        ValueBlock8x2<Dec, decltype(j)::value>(p, stride, bases, offset, count, d, a, it.ld, al, v,
-                                               c);
-      });
-    }
-  }
-  for (; r + 4 <= it.rows; r += 4) {
-    const float* p = probs + std::size_t(r) * stride;
-    float* a = acc + r * it.ld;
-    const float* al = alpha != nullptr ? alpha + r : nullptr;
-    if constexpr (kWideRegisterFile) {
-      if (vectors % 4 == 0) {
-        for (std::size_t v = 0; v < vectors; v += 4) {
-          prefetch.Issue(2 * prefetch_rows);  // a pass of 4 vectors does the work of 2 pairs
-          ValueBlock4x4<Dec>(p, stride, bases, offset, count, d, a, it.ld, al, v);
-        }
-        continue;
-      }
-    }
-    each_pair([&](std::size_t v, std::size_t c, auto j) HWY_ATTR {
-      ValueBlock4x2<Dec, decltype(j)::value>(p, stride, bases, offset, count, d, a, it.ld, al, v,
-                                             c);
-    });
-  }
-  for (; r < it.rows; ++r) {
-    const float* p = probs + std::size_t(r) * stride;
-    float* a = acc + r * it.ld;
-    const float* al = alpha != nullptr ? alpha + r : nullptr;
-    each_pair([&](std::size_t v, std::size_t c, auto j) HWY_ATTR {
-      ValueBlock1x2<Dec, decltype(j)::value>(p, bases, offset, count, d, a, al, v, c);
-    });
-  }
-}
-
 // --- the unit ---------------------------------------------------------------------------------
 
 // K and V bytes of one tile (all the unit's heads) on the fast path. With the V rows and the next
@@ -391,386 +144,24 @@ int FastPathTile(int plan_tile, int heads, std::size_t row_bytes) {
   return std::min(tile, plan_tile);
 }
 
-// Where the int8 path keeps each row's starting sum: after Q's [R][D] bytes, 64-byte aligned,
-// inside the [R][D + 16] floats of a head's Q buffer.
-inline std::int32_t* Int8Starts(float* q, int rows, int d) {
-  return reinterpret_cast<std::int32_t*>(q) + (std::size_t(rows) * d + 63) / 64 * 16;
-}
-
-// One KV head of a unit: its prepared Q and running softmax state.
-struct HeadState {
-  ItemContext it;
-  float* q;                         // kernel-ready Q: [R][D] (fast) or [D][rows_padded] (exact)
-  float kernel_scale;               // turns q . k as computed into log2-scaled scores
-  bool dot;                         // Q . K on bf16 dot products (q: bf16 words)
-  bool int8;                        // Q . K in integers (q: int8 bytes, then Int8Starts)
-  std::uint16_t* q_tiles;           // Q . K on AMX tiles: Q's B tiles, else null
-  float* acc;                       // [R][D] O accumulator, decoder channel order
-  RowState state;                   // m, l, alpha: [R] each
-  float* q_poisoned;                // [R]: 1 where the row's q is not finite
-  std::int64_t k_offset, v_offset;  // head's K and V rows from a token's base
-};
-
-// The work items of one chunk (same sequence and token range) for `heads` KV heads, tile by
-// tile: every tile reads the rows of all the unit's heads, so a page's K and V (for all heads
-// in the unit) are read at once, as contiguous memory in every layout.
-template <class Decoder>
-void RunUnit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, int heads,
-             KernelScratch& scratch, const ItemOutput* outs) {
+// Step 5 for every head of the unit: o = acc * v_scale / l, undoing the fold 2^(p_exp +
+// v_raw_exp) and the channel order (on AMX values, the tiles' channel order: channel c of O is
+// gathered from column source_of[c], fast on the Intel cores that have the tiles), and lse and
+// the stats from m and l.
+void WriteOutputs(const DecodeArgs& args, const WorkItem* items, int heads,
+                  const HeadState* head_state, const ItemOutput* outs,
+                  const std::int32_t* channel_of, bool natural, const std::int32_t* source_of,
+                  int fold_exp) {
   const KvCacheView& cache = args.cache;
-  const CacheGeometry& geo = cache.geometry;
   const FloatTag df;
-  const int d = geo.head_dim;
-  const int g = args.params.num_q_heads / geo.num_kv_heads;
-  const int rows = items[0].q_count * g;  // the unit's items share their query tile
-  const bool p_rounded = args.params.p_mode != PMode::fp32;
-#if MJOLNIR_BF16_DOT
-  using Dot = typename DotDecoderOf<Decoder>::type;
-  // P mode bf16 rounds P from the kernel's own scores (docs/numerics.md), and where the tiles
-  // exist takes P . V onto them (amx_values-inl.h); P mode fp8, whose codes are 16 times
-  // coarser, computes the scores in the emulator's order (the exact path), so that its P codes
-  // are the emulator's.
-  const bool amx_values = !std::is_void_v<Dot> && rows >= kAmxMinRows &&
-                          amx_values_apply(geo.format, args.params.p_mode, d);
-  const bool exact = args.params.p_mode == PMode::fp8;
-  // Per head below: Q in fp32 mode takes them too where its values are bf16 values.
-  const bool dot_format =
-      !std::is_void_v<Dot> && !exact && bf16_dot_applies(geo.format, QMode::bf16, d);
-  // Where the dot products apply, Q . K goes on AMX tiles instead on CPUs that have them.
-  const bool amx_format = dot_format && rows >= kAmxMinRows && amx_enabled() && cpu_has_amx();
-#else
-  const bool exact = args.params.p_mode == PMode::fp8;
-  constexpr bool amx_values = false;
-  constexpr bool dot_format = false;
-  constexpr bool amx_format = false;
-#endif
-  // Q mode int8 against e2m1 or e2m3 codes: Q . K in integers on VNNI (int8_dot-inl.h), below the
-  // rows where the AMX tiles take it.
-#if MJOLNIR_INT8_DOT
-  const bool int8_dot = args.params.q_mode == QMode::int8 && HasIntDecoder(geo.format) &&
-                        d % int(kInt8Chunk) == 0 && !exact && !amx_format && CpuHasInt8Dot();
-#else
-  constexpr bool int8_dot = false;
-#endif
-  // With P rounded, P codes depend on each tile's running max: the plan's tile, as the emulator.
-  const int tile =
-      p_rounded ? plan.tile_tokens : FastPathTile(plan.tile_tokens, heads, geo.row_bytes());
-  static const bool fused = baseline_fuses_multiply_add();
-  const std::size_t stride = (std::size_t(tile) + 15) / 16 * 16 + 16;  // scores / probs rows
-  const std::size_t ld = std::size_t(d) + 16;
-  const std::int32_t* pages =
-      args.batch.block_table.data() + std::size_t(items[0].seq) * args.batch.max_pages_per_seq;
-
-  // Channel order of the decoded rows, and whether it is the natural one.
-  std::int32_t* channel_of = scratch.ints(std::size_t(d));
-  ChannelOrder<Decoder>(std::size_t(d), channel_of);
-  bool natural = true;
-  for (int i = 0; i < d; ++i) natural &= channel_of[i] == i;
-
-  const hn::CappedTag<float, 4> de4;
-  const std::size_t exact_lanes = rows <= 4 ? hn::Lanes(de4) : hn::Lanes(df);
-  const std::size_t rows_padded = (std::size_t(rows) + exact_lanes - 1) / exact_lanes * exact_lanes;
-  const std::size_t q_floats = exact ? rows_padded * d : std::size_t(rows) * ld;
-  // P . V folds 2^p_exp into P: p * 2^p_exp . raw v (= v 2^kRawExp). On the tiles V is decoded
-  // to true values and P stays as rounded.
-  const int p_exp = amx_values ? 0 : std::min(-Decoder::kRawExp, kMaxFoldExp);
-  const int v_raw_exp = amx_values ? 0 : Decoder::kRawExp;
-  // The accumulator's rows: padded to whole A tiles on the tiles.
-#if MJOLNIR_AMX
-  const int acc_rows = amx_values ? AmxPaddedRows(rows) : rows;
-#else
-  const int acc_rows = rows;
-#endif
-
-  float* qn = scratch.floats(kQNatural, std::size_t(rows) * d);
-  float* q_all = scratch.floats(kQKernel, q_floats * heads);
-  float* acc_all = scratch.floats(kAcc, std::size_t(acc_rows) * ld * heads);
-  float* state_all = scratch.floats(kRowState, 4 * std::size_t(rows) * heads);
-  static_assert(std::is_trivially_destructible_v<HeadState>);
-  HeadState* head_state = static_cast<HeadState*>(scratch.bytes(sizeof(HeadState) * heads));
-  std::uninitialized_default_construct_n(head_state, heads);
-  for (int h = 0; h < heads; ++h) {
-    HeadState& hs = head_state[h];
-    const WorkItem& item = items[h];
-    hs.it = ItemContext{&args,
-                        &item,
-                        d,
-                        g,
-                        rows,
-                        item.q_count,
-                        tile,
-                        plan.query_tiles[item.tile].kv_len,
-                        args.params.causal,
-                        args.params.p_mode,
-                        geo.row_bytes(),
-                        ld};
-    hs.k_offset = std::int64_t(item.kv_head) * cache.strides.head;
-    hs.v_offset = hs.k_offset + cache.strides.kv;
-    hs.q = q_all + q_floats * h;
-    hs.acc = acc_all + std::size_t(acc_rows) * ld * h;
-    float* st = state_all + 4 * std::size_t(rows) * h;
-    hs.state = RowState{st, st + rows, st + 2 * rows};
-    hs.q_poisoned = st + 3 * rows;
-    std::fill(hs.state.m, hs.state.m + rows, kNegInf);
-    std::fill(hs.state.l, hs.state.l + rows, 0.0f);
-    std::fill(hs.acc, hs.acc + std::size_t(acc_rows) * ld, 0.0f);
-
-    const float score_scale = PrepareQuery(hs.it, qn, hs.q_poisoned);
-    hs.q_tiles = nullptr;
-    hs.int8 = int8_dot;
-    hs.dot = !int8_dot && dot_format &&
-             (args.params.q_mode != QMode::fp32 || AllBf16Values(qn, std::size_t(rows) * d));
-    if (hs.int8) {  // signed bytes in the decoder's channel order, and each row's start
-#if MJOLNIR_INT8_DOT
-      g_int8_dot_items.fetch_add(1, std::memory_order_relaxed);
-      VisitIntDecoder(geo.format, [&]<class Int>() {
-        PrepareInt8Query<Int>(qn, rows, std::size_t(d), reinterpret_cast<std::int8_t*>(hs.q),
-                              Int8Starts(hs.q, rows, d));
-        hs.kernel_scale = score_scale / Int::kFactor;
-      });
-#endif
-    } else if (hs.dot) {  // bf16 words in the dot decoder's channel order, true values
-      g_bf16_dot_items.fetch_add(1, std::memory_order_relaxed);
-#if MJOLNIR_BF16_DOT
-      if constexpr (!std::is_void_v<Dot>) {
-        PrepareDotQuery<Dot>(qn, rows, std::size_t(d), ld, reinterpret_cast<std::uint16_t*>(hs.q));
-        if (amx_format) {
-          const std::size_t words = AmxQueryWords(rows, std::size_t(d));
-          hs.q_tiles =
-              reinterpret_cast<std::uint16_t*>(scratch.floats(kQTiles, words / 2 * heads)) +
-              words * h;
-          PrepareAmxQuery(reinterpret_cast<const std::uint16_t*>(hs.q), 2 * ld, rows,
-                          std::size_t(d), hs.q_tiles);
-          count_amx_item();
-        }
-      }
-#endif
-      hs.kernel_scale = score_scale;
-    } else if (exact) {  // true values, transposed: lanes are query rows
-      std::fill(hs.q, hs.q + rows_padded * d, 0.0f);
-      for (int r = 0; r < rows; ++r) {
-        for (int c = 0; c < d; ++c)
-          hs.q[std::size_t(c) * rows_padded + r] = qn[std::size_t(r) * d + c];
-      }
-      hs.kernel_scale = score_scale;
-    } else {  // decoder channel order, times 2^q_exp to meet raw k (= k 2^kRawExp)
-      int q_top = 0;
-      std::frexp(MaxAbs(qn, std::size_t(rows) * d), &q_top);  // max |q| < 2^q_top
-      const int q_exp = std::min({-Decoder::kRawExp, kMaxFoldExp, 125 - q_top});
-      const float fold = std::ldexp(1.0f, q_exp);
-      for (int r = 0; r < rows; ++r) {
-        const float* src = qn + std::size_t(r) * d;
-        float* dst = hs.q + r * ld;
-        if (natural) {
-          const auto vf = hn::Set(df, fold);
-          for (int c = 0; c < d; c += int(hn::Lanes(df)))
-            hn::Store(hn::Mul(hn::Load(df, src + c), vf), df, dst + c);
-        } else {
-          for (int i = 0; i < d; ++i) dst[i] = src[channel_of[i]] * fold;
-        }
-      }
-      hs.kernel_scale = std::ldexp(score_scale, -(q_exp + Decoder::kRawExp));
-    }
-  }
-
-  float* keys = exact ? scratch.floats(kKeys, std::size_t(d)) : nullptr;
-  float* keys_natural = exact ? scratch.floats(kKeysNatural, std::size_t(kSubTokens) * d) : nullptr;
-#if MJOLNIR_AMX
-  // On the tiles, scores are kept in the tiles' layout, [keys][padded rows] (amx_values-inl.h).
-  const std::size_t column_stride = amx_values ? std::size_t(AmxPaddedRows(rows)) : 0;
-  const std::size_t column_floats =
-      std::size_t((tile + kAmxKeys - 1) / kAmxKeys) * kAmxKeys * column_stride;
-#else
-  const std::size_t column_floats = 0;
-#endif
-  float* scores = scratch.floats(kScores, std::max(std::size_t(rows) * stride, column_floats));
-#if MJOLNIR_AMX
-  float* amx_sums =
-      amx_format ? scratch.floats(kAmxBuffers, kAmxSumFloats + AmxKeyWords(std::size_t(d)) / 2)
-                 : nullptr;
-  std::uint16_t* amx_keys =
-      amx_format ? reinterpret_cast<std::uint16_t*>(amx_sums + kAmxSumFloats) : nullptr;
-  // V's B tiles of the tile (one head at a time), then each head's P A-rows.
-  std::uint16_t* amx_value_tiles = nullptr;
-  std::uint16_t* amx_prob_words = nullptr;
-  const std::size_t prob_words = amx_values ? AmxProbWords(tile, rows) : 0;
-  if (amx_values) {
-    const std::size_t value_words = AmxValueWords(tile, std::size_t(d));
-    amx_value_tiles = reinterpret_cast<std::uint16_t*>(
-        scratch.floats(kAmxValues, (value_words + prob_words * heads) / 2));
-    amx_prob_words = amx_value_tiles + value_words;
-    for (int h = 0; h < heads; ++h) count_amx_value_item();
-  }
-  const AmxTiles amx_tiles(amx_format || amx_values);
-#endif
-  float* probs_all = scratch.floats(kProbs, std::size_t(rows) * stride * heads);
-  // Token bases of this tile and the next, which is prefetched while this one computes.
-  const std::uint8_t** bases = scratch.row_pointers(2 * std::size_t(tile));
-  const std::uint8_t** next_bases = bases + tile;
-  const float raw_k_to_true = std::ldexp(1.0f, -Decoder::kRawExp);
-
-  // K and V row offsets of every head of the unit, for the prefetcher.
-  std::int64_t* k_offsets = reinterpret_cast<std::int64_t*>(scratch.floats(kRowOffsets, 4 * heads));
-  std::int64_t* v_offsets = k_offsets + heads;
-  for (int h = 0; h < heads; ++h) {
-    k_offsets[h] = head_state[h].k_offset;
-    v_offsets[h] = head_state[h].v_offset;
-  }
-  TilePrefetcher prefetcher;
-  const bool scan_codes = ScansForNonFiniteCodes<Decoder>(geo.format);
-
-  const int begin = items[0].kv_begin, end = items[0].kv_end;
-  const auto tile_bases = [&](int first, const std::uint8_t** out) {
-    const int n = first < end ? std::min(tile, end - first) : 0;
-    if (n > 0) TokenBases(head_state[0].it, pages, first, n, out);
-    return n;
-  };
-  tile_bases(begin, bases);
-  // The first tile's K rows, before anything else is in flight.
-  prefetcher.Reset(bases, std::min(tile, end - begin), k_offsets, heads,
-                   head_state[0].it.row_bytes);
-  prefetcher.Issue(prefetcher.rows());
-  for (int first = begin; first < end; first += tile) {
-    const int count = std::min(tile, end - first);
-    const int next_count = tile_bases(first + tile, next_bases);
-    // While the scores of this tile compute, its V rows are prefetched; while its values
-    // accumulate, the next tile's K rows are. Each phase's prefetch is one phase ahead, and its
-    // rows (all heads of a tile) fit in L2 beside the rows being used.
-    prefetcher.Reset(bases, count, v_offsets, heads, head_state[0].it.row_bytes);
-    int prefetch_rows = (prefetcher.rows() + heads * count - 1) / (heads * count);  // per key
-
-    // NaN and Inf codes this decoder would read as finite values poison the rows that see their
-    // token (non_finite_codes-inl.h); a NaN l stays NaN through the softmax updates.
-    if (scan_codes) {
-      for (int h = 0; h < heads; ++h) {
-        HeadState& hs = head_state[h];
-        for (int t = 0; t < count; ++t) {
-          if (!RowHasNonFiniteCode(geo.format, bases[t] + hs.k_offset, geo.row_bytes()) &&
-              !RowHasNonFiniteCode(geo.format, bases[t] + hs.v_offset, geo.row_bytes())) {
-            continue;
-          }
-          for (int r = 0; r < rows; ++r) {
-            if (LiveTokens(hs.it, r, first, count) > t) hs.state.l[r] = kPoisonedRow;
-          }
-        }
-      }
-    }
-
-    // 1 and 2: scores and softmax, head by head; each head's P stays for step 3.
-    for (int h = 0; h < heads; ++h) {
-      HeadState& hs = head_state[h];
-      const ItemContext& it = hs.it;
-      float* probs = probs_all + std::size_t(h) * rows * stride;
-      if (hs.q_tiles != nullptr) {
-#if MJOLNIR_AMX
-        if constexpr (!std::is_void_v<Dot>) {
-          if (amx_values) {  // scores, softmax and P in the tiles' layout: no gather
-            ScoresAmx<Dot, true>(hs.q_tiles, rows, std::size_t(d), bases, hs.k_offset, count, 1.0f,
-                                 scores, column_stride, prefetcher, prefetch_rows, amx_keys,
-                                 amx_sums);
-            SoftmaxColumns(it, scores, column_stride, first, count, hs.kernel_scale, hs.state,
-                           amx_prob_words + prob_words * h);
-            continue;
-          }
-          ScoresAmx<Dot>(hs.q_tiles, rows, std::size_t(d), bases, hs.k_offset, count,
-                         hs.kernel_scale, scores, stride, prefetcher, prefetch_rows, amx_keys,
-                         amx_sums);
-        }
-#endif
-      } else if (hs.int8) {
-#if MJOLNIR_INT8_DOT
-        VisitIntDecoder(geo.format, [&]<class Int>() {
-          ScoresInt8<Int>(reinterpret_cast<const std::int8_t*>(hs.q), Int8Starts(hs.q, rows, d),
-                          rows, std::size_t(d), bases, hs.k_offset, count, hs.kernel_scale, scores,
-                          stride, prefetcher, prefetch_rows);
-        });
-#endif
-      } else if (hs.dot) {
-#if MJOLNIR_BF16_DOT
-        if constexpr (!std::is_void_v<Dot>) {
-          ScoresDot<Dot>(reinterpret_cast<const std::uint16_t*>(hs.q), 2 * ld, rows, std::size_t(d),
-                         bases, hs.k_offset, count, hs.kernel_scale, scores, stride, prefetcher,
-                         prefetch_rows);
-        }
-#endif
-      } else if (!exact) {
-        ScoresFast<Decoder>(it, hs.q, bases, hs.k_offset, count, hs.kernel_scale, scores, stride,
-                            prefetcher, prefetch_rows);
-      } else {
-        for (int t0 = 0; t0 < count; t0 += kSubTokens) {
-          const int sub = std::min(kSubTokens, count - t0);
-          // True values in natural channel order for the emulator's summation order.
-          for (int t = 0; t < sub; ++t) {
-            prefetcher.Issue(prefetch_rows);
-            DecodeRow<Decoder>(bases[t0 + t] + hs.k_offset, d, keys);
-            float* dst = keys_natural + std::size_t(t) * d;
-            if (natural) {
-              const auto f = hn::Set(df, raw_k_to_true);
-              for (int c = 0; c < d; c += int(hn::Lanes(df))) {  // x * f + (-0): see DecodeNvfp4
-                hn::Store(hn::MulAdd(hn::Load(df, keys + c), f, hn::Set(df, -0.0f)), df, dst + c);
-              }
-            } else {
-              for (int i = 0; i < d; ++i) dst[channel_of[i]] = keys[i] * raw_k_to_true;
-            }
-          }
-          const auto scores_exact = [&](auto de, auto fused_tag) {
-            ScoresExactT<decltype(fused_tag)::value>(de, it, hs.q, rows_padded, keys_natural, sub,
-                                                     hs.kernel_scale, scores, stride, t0);
-          };
-          if (rows <= 4) {
-            fused ? scores_exact(de4, std::true_type()) : scores_exact(de4, std::false_type());
-          } else {
-            fused ? scores_exact(df, std::true_type()) : scores_exact(df, std::false_type());
-          }
-        }
-      }
-      SoftmaxTile(it, scores, probs, stride, first, count, p_exp, hs.state);
-    }
-
-    // 3. P . V, head by head.
-    prefetcher.Reset(next_bases, next_count, k_offsets, heads, head_state[0].it.row_bytes);
-    const int passes = heads * int(d / hn::Lanes(typename Decoder::Tag()) / 2) * ((rows + 3) / 4);
-    prefetch_rows = (prefetcher.rows() + passes - 1) / passes;
-    for (int h = 0; h < heads; ++h) {
-      HeadState& hs = head_state[h];
-      const float* probs = probs_all + std::size_t(h) * rows * stride;
-      if (amx_values) {
-#if MJOLNIR_AMX
-        if constexpr (!std::is_void_v<Dot>) {
-          // P is in the A rows already where the scores ran on the tiles (SoftmaxColumns).
-          ValuesAmx<Dot>(hs.q_tiles != nullptr ? nullptr : probs, stride, rows, bases, hs.v_offset,
-                         count, std::size_t(d), hs.acc, ld, hs.state.alpha, amx_value_tiles,
-                         amx_prob_words + prob_words * h, prefetcher,
-                         (prefetcher.rows() + heads * count - 1) / std::max(heads * count, 1));
-        }
-#endif
-        continue;
-      }
-      AccumulateValues<Decoder>(hs.it, probs, stride, bases, hs.v_offset, count, hs.acc,
-                                hs.state.alpha, prefetcher, prefetch_rows);
-    }
-    std::swap(bases, next_bases);
-  }
-
-  // Step 5: o = acc * v_scale / l, undoing the fold 2^(p_exp + kRawExp) and the channel order.
+  const int d = cache.geometry.head_dim;
   const bool channel_scales = cache.granularity == ScaleGranularity::channel;
   const float p_mode_scale = args.params.p_mode == PMode::fp8 ? 256.0f : 1.0f;
-  const float unfold = std::ldexp(1.0f, -(p_exp + v_raw_exp));
-  // On the tiles the accumulator's columns are in the tiles' channel order, and channel c of O is
-  // gathered from column source_of[c] (Intel cores, which have the tiles, gather fast).
-  std::int32_t* source_of = nullptr;
-#if MJOLNIR_AMX
-  if (amx_values) {
-    if constexpr (!std::is_void_v<Dot>) {
-      source_of = channel_of;
-      for (int i = 0; i < d; ++i) source_of[AmxValueChannel<Dot>(i)] = i;
-    }
-  }
-#endif
+  const float unfold = std::ldexp(1.0f, -fold_exp);
   for (int h = 0; h < heads; ++h) {
     const HeadState& hs = head_state[h];
     const int kv_head = items[h].kv_head;
-    for (int r = 0; r < rows; ++r) {
+    for (int r = 0; r < hs.it.rows; ++r) {
       float* o = outs[h].o[r];
       float* lse = outs[h].lse[r];
       const float l = hs.state.l[r];
@@ -784,7 +175,7 @@ void RunUnit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, in
         continue;
       }
       const float inv_l = 1.0f / (l * p_mode_scale);
-      const float* a = hs.acc + r * ld;
+      const float* a = hs.acc + r * hs.it.ld;
       if (source_of != nullptr) {
         const hn::RebindToSigned<FloatTag> di;
         const float* vs = channel_scales ? &cache.v_scale[std::size_t(kv_head) * d] : nullptr;
@@ -816,6 +207,225 @@ void RunUnit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, in
       }
     }
   }
+}
+
+// The work items of one chunk (same sequence and token range) for `heads` KV heads, tile by
+// tile: every tile reads the rows of all the unit's heads, so a page's K and V (for all heads
+// in the unit) are read at once, as contiguous memory in every layout. The paths each step
+// takes are chosen once, by kernel_paths-inl.h.
+template <class Decoder>
+void RunUnit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, int heads,
+             KernelScratch& scratch, const ItemOutput* outs) {
+  const KvCacheView& cache = args.cache;
+  const CacheGeometry& geo = cache.geometry;
+  const int d = geo.head_dim;
+  const int g = args.params.num_q_heads / geo.num_kv_heads;
+  const int rows = items[0].q_count * g;  // the unit's items share their query tile
+  const UnitPaths paths = ChooseUnitPaths<Decoder>(args, rows);
+  // With P rounded, P codes depend on each tile's running max: the plan's tile, as the emulator.
+  const int tile = args.params.p_mode != PMode::fp32
+                       ? plan.tile_tokens
+                       : FastPathTile(plan.tile_tokens, heads, geo.row_bytes());
+  const std::size_t stride = (std::size_t(tile) + 15) / 16 * 16 + 16;  // scores / probs rows
+  const std::size_t ld = std::size_t(d) + 16;
+  const std::int32_t* pages =
+      args.batch.block_table.data() + std::size_t(items[0].seq) * args.batch.max_pages_per_seq;
+
+  // Channel order of the decoded rows, and whether it is the natural one.
+  std::int32_t* channel_of = scratch.ints(std::size_t(d));
+  ChannelOrder<Decoder>(std::size_t(d), channel_of);
+  bool natural = true;
+  for (int i = 0; i < d; ++i) natural &= channel_of[i] == i;
+
+  const std::size_t q_floats = paths.exact ? ExactPaddedRows(rows) * d : std::size_t(rows) * ld;
+  // P . V folds 2^p_exp into P: p * 2^p_exp . raw v (= v 2^kRawExp). On the tiles V is decoded
+  // to true values and P stays as rounded.
+  const int p_exp = paths.amx_values ? 0 : std::min(-Decoder::kRawExp, kMaxFoldExp);
+  const int v_raw_exp = paths.amx_values ? 0 : Decoder::kRawExp;
+  // The accumulator's rows: padded to whole A tiles on the tiles.
+#if MJOLNIR_AMX
+  const int acc_rows = paths.amx_values ? AmxPaddedRows(rows) : rows;
+  const std::size_t q_tile_words = paths.amx_scores ? AmxQueryWords(rows, std::size_t(d)) : 0;
+  std::uint16_t* q_tiles_all =
+      paths.amx_scores
+          ? reinterpret_cast<std::uint16_t*>(scratch.floats(kQTiles, q_tile_words / 2 * heads))
+          : nullptr;
+#else
+  const int acc_rows = rows;
+#endif
+
+  float* qn = scratch.floats(kQNatural, std::size_t(rows) * d);
+  float* q_all = scratch.floats(kQKernel, q_floats * heads);
+  float* acc_all = scratch.floats(kAcc, std::size_t(acc_rows) * ld * heads);
+  float* state_all = scratch.floats(kRowState, 4 * std::size_t(rows) * heads);
+  static_assert(std::is_trivially_destructible_v<HeadState>);
+  HeadState* head_state = static_cast<HeadState*>(scratch.bytes(sizeof(HeadState) * heads));
+  std::uninitialized_default_construct_n(head_state, heads);
+  const ChannelOrderOf order{channel_of, natural};
+  for (int h = 0; h < heads; ++h) {
+    HeadState& hs = head_state[h];
+    const WorkItem& item = items[h];
+    hs.it = ItemContext{&args,
+                        &item,
+                        d,
+                        g,
+                        rows,
+                        item.q_count,
+                        tile,
+                        plan.query_tiles[item.tile].kv_len,
+                        args.params.causal,
+                        args.params.p_mode,
+                        geo.row_bytes(),
+                        ld};
+    hs.k_offset = std::int64_t(item.kv_head) * cache.strides.head;
+    hs.v_offset = hs.k_offset + cache.strides.kv;
+    hs.q = q_all + q_floats * h;
+    hs.acc = acc_all + std::size_t(acc_rows) * ld * h;
+    float* st = state_all + 4 * std::size_t(rows) * h;
+    hs.state = RowState{st, st + rows, st + 2 * rows};
+    hs.q_poisoned = st + 3 * rows;
+    std::fill(hs.state.m, hs.state.m + rows, kNegInf);
+    std::fill(hs.state.l, hs.state.l + rows, 0.0f);
+    std::fill(hs.acc, hs.acc + std::size_t(acc_rows) * ld, 0.0f);
+
+    const float score_scale = PrepareQuery(hs.it, qn, hs.q_poisoned);
+    hs.path = HeadScorePath(paths, args.params.q_mode, qn, std::size_t(rows) * d);
+    hs.q_tiles = nullptr;
+#if MJOLNIR_AMX
+    if (hs.path == ScorePath::amx) hs.q_tiles = q_tiles_all + q_tile_words * h;
+#endif
+    hs.prob_words = nullptr;
+    PrepareHeadQuery<Decoder>(hs, qn, score_scale, order);
+  }
+
+  ScoreScratch score_scratch{};
+  score_scratch.stride = stride;
+  static const bool fused = baseline_fuses_multiply_add();
+  score_scratch.fused = fused;
+  if (paths.exact) {
+    score_scratch.exact =
+        ExactKeys{scratch.floats(kKeys, std::size_t(d)),
+                  scratch.floats(kKeysNatural, std::size_t(kSubTokens) * d), channel_of, natural};
+  }
+  std::size_t column_floats = 0;
+  std::uint16_t* amx_value_tiles = nullptr;
+#if MJOLNIR_AMX
+  // On the tiles, scores are kept in the tiles' layout, [keys][padded rows] (amx_values-inl.h).
+  if (paths.amx_values) {
+    score_scratch.column_stride = std::size_t(AmxPaddedRows(rows));
+    column_floats =
+        std::size_t((tile + kAmxKeys - 1) / kAmxKeys) * kAmxKeys * score_scratch.column_stride;
+  }
+  if (paths.amx_scores) {
+    score_scratch.amx_sums =
+        scratch.floats(kAmxBuffers, kAmxSumFloats + AmxKeyWords(std::size_t(d)) / 2);
+    score_scratch.amx_keys =
+        reinterpret_cast<std::uint16_t*>(score_scratch.amx_sums + kAmxSumFloats);
+  }
+  // V's B tiles of the tile (one head at a time), then each head's P A-rows.
+  if (paths.amx_values) {
+    const std::size_t value_words = AmxValueWords(tile, std::size_t(d));
+    const std::size_t prob_words = AmxProbWords(tile, rows);
+    amx_value_tiles = reinterpret_cast<std::uint16_t*>(
+        scratch.floats(kAmxValues, (value_words + prob_words * heads) / 2));
+    for (int h = 0; h < heads; ++h) {
+      head_state[h].prob_words = amx_value_tiles + value_words + prob_words * h;
+      count_amx_value_item();
+    }
+  }
+  const AmxTiles amx_tiles(paths.amx_scores || paths.amx_values);
+#endif
+  score_scratch.scores =
+      scratch.floats(kScores, std::max(std::size_t(rows) * stride, column_floats));
+  float* probs_all = scratch.floats(kProbs, std::size_t(rows) * stride * heads);
+  // Token bases of this tile and the next, which is prefetched while this one computes.
+  const std::uint8_t** bases = scratch.row_pointers(2 * std::size_t(tile));
+  const std::uint8_t** next_bases = bases + tile;
+
+  // K and V row offsets of every head of the unit, for the prefetcher.
+  std::int64_t* k_offsets = reinterpret_cast<std::int64_t*>(scratch.floats(kRowOffsets, 4 * heads));
+  std::int64_t* v_offsets = k_offsets + heads;
+  for (int h = 0; h < heads; ++h) {
+    k_offsets[h] = head_state[h].k_offset;
+    v_offsets[h] = head_state[h].v_offset;
+  }
+  TilePrefetcher prefetcher;
+  const bool scan_codes = ScansForNonFiniteCodes<Decoder>(geo.format);
+  const std::size_t row_bytes = geo.row_bytes();
+
+  const int begin = items[0].kv_begin, end = items[0].kv_end;
+  const auto tile_bases = [&](int first, const std::uint8_t** out) {
+    const int n = first < end ? std::min(tile, end - first) : 0;
+    if (n > 0) TokenBases(head_state[0].it, pages, first, n, out);
+    return n;
+  };
+  tile_bases(begin, bases);
+  // The first tile's K rows, before anything else is in flight.
+  prefetcher.Reset(bases, std::min(tile, end - begin), k_offsets, heads, row_bytes);
+  prefetcher.Issue(prefetcher.rows());
+  for (int first = begin; first < end; first += tile) {
+    const TileRows rows_of_tile{bases, first, std::min(tile, end - first)};
+    const int count = rows_of_tile.count;
+    const int next_count = tile_bases(first + tile, next_bases);
+    // While the scores of this tile compute, its V rows are prefetched; while its values
+    // accumulate, the next tile's K rows are. Each phase's prefetch is one phase ahead, and its
+    // rows (all heads of a tile) fit in L2 beside the rows being used.
+    prefetcher.Reset(bases, count, v_offsets, heads, row_bytes);
+    const int per_key = (prefetcher.rows() + heads * count - 1) / (heads * count);
+
+    // NaN and Inf codes this decoder would read as finite values poison the rows that see their
+    // token (non_finite_codes-inl.h); a NaN l stays NaN through the softmax updates.
+    if (scan_codes) {
+      for (int h = 0; h < heads; ++h) {
+        HeadState& hs = head_state[h];
+        for (int t = 0; t < count; ++t) {
+          if (!RowHasNonFiniteCode(geo.format, bases[t] + hs.k_offset, row_bytes) &&
+              !RowHasNonFiniteCode(geo.format, bases[t] + hs.v_offset, row_bytes)) {
+            continue;
+          }
+          for (int r = 0; r < rows; ++r) {
+            if (LiveTokens(hs.it, r, first, count) > t) hs.state.l[r] = kPoisonedRow;
+          }
+        }
+      }
+    }
+
+    // 1 and 2: scores and softmax, head by head; each head's P stays for step 3.
+    for (int h = 0; h < heads; ++h) {
+      ScoreHeadTile<Decoder>(paths, head_state[h], rows_of_tile, score_scratch, p_exp,
+                             probs_all + std::size_t(h) * rows * stride, prefetcher, per_key);
+    }
+
+    // 3. P . V, head by head, prefetching the next tile's K rows.
+    prefetcher.Reset(next_bases, next_count, k_offsets, heads, row_bytes);
+    int per_pass;
+    if (paths.amx_values) {
+      per_pass = (prefetcher.rows() + heads * count - 1) / std::max(heads * count, 1);
+    } else {
+      const int passes = heads * int(d / hn::Lanes(typename Decoder::Tag()) / 2) * ((rows + 3) / 4);
+      per_pass = (prefetcher.rows() + passes - 1) / passes;
+    }
+    for (int h = 0; h < heads; ++h) {
+      AccumulateHeadValues<Decoder>(paths, head_state[h], rows_of_tile,
+                                    probs_all + std::size_t(h) * rows * stride, stride,
+                                    amx_value_tiles, prefetcher, per_pass);
+    }
+    std::swap(bases, next_bases);
+  }
+
+  const std::int32_t* source_of = nullptr;
+#if MJOLNIR_AMX
+  if constexpr (!std::is_void_v<DotOf<Decoder> >) {
+    if (paths.amx_values) {
+      // channel_of's buffer: WriteOutputs reads channel_of only where there is no source_of.
+      std::int32_t* gather = scratch.ints(std::size_t(d));
+      for (int i = 0; i < d; ++i) gather[AmxValueChannel<DotOf<Decoder> >(i)] = i;
+      source_of = gather;
+    }
+  }
+#endif
+  WriteOutputs(args, items, heads, head_state, outs, channel_of, natural, source_of,
+               p_exp + v_raw_exp);
 }
 
 void RunWorkUnit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, int heads,

@@ -191,7 +191,7 @@ HWY_INLINE void DotBlock(const std::uint16_t* HWY_RESTRICT q, std::size_t qs, st
 }
 
 // scores[r][t] = scale * q_r . k_t for the count K rows at bases[t] + offset, as ScoresFast does
-// it with fp32 FMAs (attention_kernel.cc); q_words from PrepareDotQuery. Keys go in groups of
+// it with fp32 FMAs (fast_scores-inl.h); q_words from PrepareDotQuery. Keys go in groups of
 // 4; a group of fewer repeats its last key and writes up to 3 scores past `count`, inside each
 // scores row's padding (the softmax overwrites them). Not inlined: its callers are compiled
 // without AVX512_BF16.

@@ -11,8 +11,12 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
+#include <type_traits>
 
 #include "cpu/item_context.h"
+#include "cpu/kv_decode-inl.h"
+#include "cpu/tile_prefetcher.h"
 #include "hwy/highway.h"
 
 HWY_BEFORE_NAMESPACE();
@@ -81,6 +85,79 @@ void ScoresExactT(DE de, const ItemContext& it, const float* HWY_RESTRICT qt,
           scores[(rv + lane) * stride + first + t + j] = lanes[j][lane];
         }
       }
+    }
+  }
+}
+
+// Keys decoded per pass of the exact path: their fp32 rows (16 x D floats, 8 KiB at D = 128)
+// stay in L1 while every query row uses them.
+inline constexpr int kSubTokens = 16;
+
+// Query rows per vector of the exact path: 4 lanes for up to 4 rows, else the widest vector.
+inline std::size_t ExactLanes(int rows) {
+  return rows <= 4 ? hn::Lanes(hn::CappedTag<float, 4>()) : hn::Lanes(WideFloatTag());
+}
+inline std::size_t ExactPaddedRows(int rows) {
+  const std::size_t lanes = ExactLanes(rows);
+  return (std::size_t(rows) + lanes - 1) / lanes * lanes;
+}
+
+// Q of the exact path: qt [D][ExactPaddedRows(rows)], the transpose of qn [R][D] (true values,
+// natural channel order), zero in the padding rows: lanes are query rows.
+inline void PrepareExactQuery(const float* HWY_RESTRICT qn, int rows, std::size_t d,
+                              float* HWY_RESTRICT qt) {
+  const std::size_t rows_padded = ExactPaddedRows(rows);
+  std::fill(qt, qt + rows_padded * d, 0.0f);
+  for (int r = 0; r < rows; ++r) {
+    for (std::size_t c = 0; c < d; ++c) qt[c * rows_padded + r] = qn[std::size_t(r) * d + c];
+  }
+}
+
+// The scratch of the exact path: one decoded K row (decoder order) and kSubTokens rows of true
+// values in natural channel order.
+struct ExactKeys {
+  float* decoded;                  // [D]
+  float* natural;                  // [kSubTokens][D]
+  const std::int32_t* channel_of;  // the decoder's channel order (kv_decode-inl.h)
+  bool natural_order;              // channel_of is the identity
+};
+
+// Exact path, one tile of one head: scores[r][t] for the count K rows at bases[t] +
+// offset, kSubTokens keys at a time decoded to true values in natural order, then
+// ScoresExactT in the emulator's order, fused or not as the emulator's build (fused).
+template <class Dec>
+void ScoresExact(const ItemContext& it, const float* HWY_RESTRICT qt,
+                 const std::uint8_t* const* bases, std::int64_t offset, int count, float scale,
+                 const ExactKeys& keys, bool fused, float* HWY_RESTRICT scores, std::size_t stride,
+                 TilePrefetcher& prefetch, int prefetch_per_key) {
+  const WideFloatTag df;
+  const hn::CappedTag<float, 4> de4;
+  const int d = it.d;
+  const std::size_t rows_padded = ExactPaddedRows(it.rows);
+  const float raw_k_to_true = std::ldexp(1.0f, -Dec::kRawExp);
+  for (int t0 = 0; t0 < count; t0 += kSubTokens) {
+    const int sub = std::min(kSubTokens, count - t0);
+    for (int t = 0; t < sub; ++t) {
+      prefetch.Issue(prefetch_per_key);
+      DecodeRow<Dec>(bases[t0 + t] + offset, std::size_t(d), keys.decoded);
+      float* dst = keys.natural + std::size_t(t) * d;
+      if (keys.natural_order) {
+        const auto f = hn::Set(df, raw_k_to_true);
+        for (int c = 0; c < d; c += int(hn::Lanes(df))) {  // x * f + (-0): see DecodeNvfp4
+          hn::Store(hn::MulAdd(hn::Load(df, keys.decoded + c), f, hn::Set(df, -0.0f)), df, dst + c);
+        }
+      } else {
+        for (int i = 0; i < d; ++i) dst[keys.channel_of[i]] = keys.decoded[i] * raw_k_to_true;
+      }
+    }
+    const auto scores_exact = [&](auto de, auto fused_tag) {
+      ScoresExactT<decltype(fused_tag)::value>(de, it, qt, rows_padded, keys.natural, sub, scale,
+                                               scores, stride, t0);
+    };
+    if (it.rows <= 4) {
+      fused ? scores_exact(de4, std::true_type()) : scores_exact(de4, std::false_type());
+    } else {
+      fused ? scores_exact(df, std::true_type()) : scores_exact(df, std::false_type());
     }
   }
 }

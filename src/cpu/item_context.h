@@ -7,6 +7,11 @@
 
 namespace mjolnir::cpu {
 
+// Largest power of two folded into Q or P to bring raw decoded values back to a normal range
+// (kv_decode-inl.h): big enough for every format, small enough that Q up to 2^25 and P up to 256
+// stay finite.
+inline constexpr int kMaxFoldExp = 100;
+
 // The fixed quantities of one KV head's work item.
 struct ItemContext {
   const DecodeArgs* args;

@@ -1,0 +1,280 @@
+// The paths of the CPU kernel (attention_kernel.cc) and the one place that chooses among them.
+// Q . K has five: fp32 FMAs in any order (fast_scores-inl.h), the emulator's exact order
+// (exact_scores-inl.h), bf16 dot products (bf16_dot-inl.h), AMX tiles (amx_scores-inl.h) and
+// integer dot products (int8_dot-inl.h); P . V two: fp32 FMAs (fma_values-inl.h) and AMX tiles
+// (amx_values-inl.h). A unit's paths follow from its format, modes, head size and query rows and
+// from what this CPU executes (ChooseUnitPaths); a head's score path also from its queries, since
+// Q in fp32 mode takes the bf16 dot products exactly where its values are bf16 values
+// (HeadScorePath). Per-target header, see kv_decode-inl.h.
+
+#if defined(MJOLNIR_CPU_KERNEL_PATHS_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef MJOLNIR_CPU_KERNEL_PATHS_INL_H_
+#undef MJOLNIR_CPU_KERNEL_PATHS_INL_H_
+#else
+#define MJOLNIR_CPU_KERNEL_PATHS_INL_H_
+#endif
+
+#include <algorithm>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+#include "cpu/amx.h"
+#include "cpu/amx_scores-inl.h"
+#include "cpu/amx_values-inl.h"
+#include "cpu/attention_kernel.h"
+#include "cpu/bf16_dot-inl.h"
+#include "cpu/exact_scores-inl.h"
+#include "cpu/fast_scores-inl.h"
+#include "cpu/fma_values-inl.h"
+#include "cpu/int8_dot-inl.h"
+#include "cpu/item_context.h"
+#include "cpu/online_softmax-inl.h"
+#include "cpu/prepare_query-inl.h"
+#include "cpu/tile_prefetcher.h"
+#include "hwy/highway.h"
+#include "mjolnir/decode.h"
+
+namespace mjolnir::cpu {
+extern std::atomic<std::uint64_t> g_bf16_dot_items;  // behind bf16_dot_items()
+extern std::atomic<std::uint64_t> g_int8_dot_items;  // behind int8_dot_items()
+}  // namespace mjolnir::cpu
+
+HWY_BEFORE_NAMESPACE();
+namespace mjolnir::cpu::HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+#if !MJOLNIR_PORTABLE_TARGET
+
+// How one head's Q . K runs.
+enum class ScorePath : std::uint8_t {
+  fast,      // fp32 FMAs over raw decoded K, any order (P in fp32 or bf16)
+  exact,     // the emulator's order over true values (P in fp8: its codes match the emulator's)
+  bf16_dot,  // bf16 dot products over K decoded to bf16 words (Q's values are bf16 values)
+  amx,       // the same products on AMX tiles, from kAmxMinRows query rows
+  int8,      // integer dot products (Q mode int8 against e2m1 or e2m3 codes)
+};
+
+// The paths of one unit, the same for all its heads.
+struct UnitPaths {
+  bool exact = false;       // P in fp8: scores in the emulator's order
+  bool dot_format = false;  // the bf16 dot products apply to the format, head size and P mode
+  bool amx_scores = false;  // where a head takes the dot products, it takes them on AMX tiles
+  bool amx_values = false;  // P . V on AMX tiles (scores then in the tiles' column layout)
+  bool int8 = false;        // every head's Q . K in integers
+};
+
+#if MJOLNIR_BF16_DOT
+// The bf16 dot-product decoder of a kernel decoder's format, or void (bf16_dot-inl.h).
+template <class Decoder>
+using DotOf = typename DotDecoderOf<Decoder>::type;
+#endif
+
+// The paths of a unit of `rows` query rows. P mode bf16 rounds P from the kernel's own scores
+// (docs/numerics.md) and, where the tiles exist, takes P . V onto them; P mode fp8, whose codes
+// are 16 times coarser, computes the scores in the emulator's order. Where the bf16 dot products
+// apply, Q . K goes on AMX tiles on CPUs that have them; Q mode int8 against codes that are small
+// integers goes on VNNI or vpmaddubsw, below the rows where the tiles take it.
+template <class Decoder>
+UnitPaths ChooseUnitPaths(const DecodeArgs& args, int rows) {
+  const Format format = args.cache.geometry.format;
+  const int d = args.cache.geometry.head_dim;
+  UnitPaths paths;
+  paths.exact = args.params.p_mode == PMode::fp8;
+#if MJOLNIR_BF16_DOT
+  if constexpr (!std::is_void_v<DotOf<Decoder>>) {
+    paths.amx_values = rows >= kAmxMinRows && amx_values_apply(format, args.params.p_mode, d);
+    paths.dot_format = !paths.exact && bf16_dot_applies(format, QMode::bf16, d);
+    paths.amx_scores = paths.dot_format && rows >= kAmxMinRows && amx_enabled() && cpu_has_amx();
+  }
+#endif
+#if MJOLNIR_INT8_DOT
+  paths.int8 = args.params.q_mode == QMode::int8 && HasIntDecoder(format) &&
+               d % int(kInt8Chunk) == 0 && !paths.exact && !paths.amx_scores && CpuHasInt8Dot();
+#endif
+  return paths;
+}
+
+// The score path of a head whose rounded queries are qn [rows][d] (PrepareQuery).
+inline ScorePath HeadScorePath(const UnitPaths& paths, QMode q_mode, const float* qn,
+                               std::size_t count) {
+  if (paths.int8) return ScorePath::int8;
+  if (paths.dot_format && (q_mode != QMode::fp32 || AllBf16Values(qn, count))) {
+    return paths.amx_scores ? ScorePath::amx : ScorePath::bf16_dot;
+  }
+  return paths.exact ? ScorePath::exact : ScorePath::fast;
+}
+
+// Where the int8 path keeps each row's starting sum: after Q's [R][D] bytes, 64-byte aligned,
+// inside the [R][D + 16] floats of a head's Q buffer.
+inline std::int32_t* Int8Starts(float* q, int rows, int d) {
+  return reinterpret_cast<std::int32_t*>(q) + (std::size_t(rows) * d + 63) / 64 * 16;
+}
+
+// One KV head of a unit: its prepared Q and running softmax state.
+struct HeadState {
+  ItemContext it;
+  ScorePath path;
+  float* q;                         // kernel-ready Q, in the layout of its score path
+  float kernel_scale;               // turns q . k as computed into log2-scaled scores
+  std::uint16_t* q_tiles;           // path amx: Q's B tiles
+  std::uint16_t* prob_words;        // P . V on AMX tiles: this head's P A-rows
+  float* acc;                       // [R][ld] O accumulator, decoder channel order
+  RowState state;                   // m, l, alpha: [R] each
+  float* q_poisoned;                // [R]: 1 where the row's q is not finite
+  std::int64_t k_offset, v_offset;  // head's K and V rows from a token's base
+};
+
+// The decoder's channel order, shared by every head of the unit.
+struct ChannelOrderOf {
+  const std::int32_t* channel_of;  // channel_of[i]: the channel decoded into position i
+  bool natural;                    // the identity
+};
+
+// Prepares hs.q (and hs.q_tiles) for the head's score path from its rounded queries qn [R][D],
+// and sets hs.kernel_scale from the score scale PrepareQuery returned.
+template <class Decoder>
+void PrepareHeadQuery(HeadState& hs, const float* HWY_RESTRICT qn, float score_scale,
+                      const ChannelOrderOf& order) {
+  const ItemContext& it = hs.it;
+  const std::size_t d = std::size_t(it.d);
+  hs.kernel_scale = score_scale;
+  switch (hs.path) {
+    case ScorePath::int8:  // signed bytes in the decoder's channel order, and each row's start
+#if MJOLNIR_INT8_DOT
+      g_int8_dot_items.fetch_add(1, std::memory_order_relaxed);
+      VisitIntDecoder(it.args->cache.geometry.format, [&]<class Int>() {
+        PrepareInt8Query<Int>(qn, it.rows, d, reinterpret_cast<std::int8_t*>(hs.q),
+                              Int8Starts(hs.q, it.rows, it.d));
+        hs.kernel_scale = score_scale / Int::kFactor;
+      });
+#endif
+      return;
+    case ScorePath::bf16_dot:
+    case ScorePath::amx:  // bf16 words in the dot decoder's channel order, true values
+      g_bf16_dot_items.fetch_add(1, std::memory_order_relaxed);
+#if MJOLNIR_BF16_DOT
+      if constexpr (!std::is_void_v<DotOf<Decoder>>) {
+        auto* words = reinterpret_cast<std::uint16_t*>(hs.q);
+        PrepareDotQuery<DotOf<Decoder>>(qn, it.rows, d, it.ld, words);
+        if (hs.path == ScorePath::amx) {
+          PrepareAmxQuery(words, 2 * it.ld, it.rows, d, hs.q_tiles);
+          count_amx_item();
+        }
+      }
+#endif
+      return;
+    case ScorePath::exact:  // true values, transposed: lanes are query rows
+      PrepareExactQuery(qn, it.rows, d, hs.q);
+      return;
+    case ScorePath::fast:  // decoder channel order, times 2^q_exp to meet raw k
+      hs.kernel_scale = PrepareFastQuery<Decoder>(qn, it.rows, d, it.ld, order.channel_of,
+                                                  order.natural, score_scale, hs.q);
+      return;
+  }
+}
+
+// The K rows of one tile: token t's slot starts at bases[t]; a head's K row adds its k_offset.
+struct TileRows {
+  const std::uint8_t* const* bases;
+  int first, count;
+};
+
+// What the score paths compute with, per unit.
+struct ScoreScratch {
+  float* scores;              // [R][stride] (or [keys][column_stride] on AMX values)
+  std::size_t stride;         // floats between rows of scores and probs
+  std::size_t column_stride;  // AMX values: floats between keys of the column layout
+  ExactKeys exact;            // the exact path's decoded keys
+  bool fused;                 // the emulator's build fuses multiply-adds (the exact path)
+  float* amx_sums;            // AMX scores: C tiles
+  std::uint16_t* amx_keys;    // AMX scores: K as B tiles
+};
+
+// Q . K and the online softmax of one tile for one head: P into probs [R][stride] (or the
+// head's A rows, on AMX values), with 2^p_exp folded in; prefetch_per_key prefetched rows a key.
+template <class Decoder>
+void ScoreHeadTile(const UnitPaths& paths, HeadState& hs, const TileRows& tile,
+                   const ScoreScratch& s, int p_exp, float* HWY_RESTRICT probs,
+                   TilePrefetcher& prefetcher, int prefetch_per_key) {
+  const ItemContext& it = hs.it;
+  const std::size_t d = std::size_t(it.d);
+  switch (hs.path) {
+    case ScorePath::amx:
+#if MJOLNIR_AMX
+      if constexpr (!std::is_void_v<DotOf<Decoder>>) {
+        if (paths.amx_values) {  // scores, softmax and P in the tiles' layout: no gather
+          ScoresAmx<DotOf<Decoder>, true>(hs.q_tiles, it.rows, d, tile.bases, hs.k_offset,
+                                          tile.count, 1.0f, s.scores, s.column_stride, prefetcher,
+                                          prefetch_per_key, s.amx_keys, s.amx_sums);
+          SoftmaxColumns(it, s.scores, s.column_stride, tile.first, tile.count, hs.kernel_scale,
+                         hs.state, hs.prob_words);
+          return;
+        }
+        ScoresAmx<DotOf<Decoder>>(hs.q_tiles, it.rows, d, tile.bases, hs.k_offset, tile.count,
+                                  hs.kernel_scale, s.scores, s.stride, prefetcher, prefetch_per_key,
+                                  s.amx_keys, s.amx_sums);
+      }
+#endif
+      break;
+    case ScorePath::int8:
+#if MJOLNIR_INT8_DOT
+      VisitIntDecoder(it.args->cache.geometry.format, [&]<class Int>() {
+        ScoresInt8<Int>(reinterpret_cast<const std::int8_t*>(hs.q), Int8Starts(hs.q, it.rows, it.d),
+                        it.rows, d, tile.bases, hs.k_offset, tile.count, hs.kernel_scale, s.scores,
+                        s.stride, prefetcher, prefetch_per_key);
+      });
+#endif
+      break;
+    case ScorePath::bf16_dot:
+#if MJOLNIR_BF16_DOT
+      if constexpr (!std::is_void_v<DotOf<Decoder>>) {
+        ScoresDot<DotOf<Decoder>>(reinterpret_cast<const std::uint16_t*>(hs.q), 2 * it.ld, it.rows,
+                                  d, tile.bases, hs.k_offset, tile.count, hs.kernel_scale, s.scores,
+                                  s.stride, prefetcher, prefetch_per_key);
+      }
+#endif
+      break;
+    case ScorePath::fast:
+      ScoresFast<Decoder>(it, hs.q, tile.bases, hs.k_offset, tile.count, hs.kernel_scale, s.scores,
+                          s.stride, prefetcher, prefetch_per_key);
+      break;
+    case ScorePath::exact:
+      ScoresExact<Decoder>(it, hs.q, tile.bases, hs.k_offset, tile.count, hs.kernel_scale, s.exact,
+                           s.fused, s.scores, s.stride, prefetcher, prefetch_per_key);
+      break;
+  }
+  SoftmaxTile(it, s.scores, probs, s.stride, tile.first, tile.count, p_exp, hs.state);
+}
+
+// acc = alpha * acc + P . V over one tile for one head, on AMX tiles (value_tiles: scratch for
+// the tile's V as B tiles) or fp32 FMAs; prefetch_rows prefetched rows a pass.
+template <class Decoder>
+void AccumulateHeadValues(const UnitPaths& paths, HeadState& hs, const TileRows& tile,
+                          const float* HWY_RESTRICT probs, std::size_t stride,
+                          std::uint16_t* value_tiles, TilePrefetcher& prefetcher,
+                          int prefetch_rows) {
+  const ItemContext& it = hs.it;
+  if (paths.amx_values) {
+#if MJOLNIR_AMX
+    if constexpr (!std::is_void_v<DotOf<Decoder>>) {
+      // P is in the A rows already where the scores ran on the tiles (SoftmaxColumns).
+      ValuesAmx<DotOf<Decoder>>(hs.path == ScorePath::amx ? nullptr : probs, stride, it.rows,
+                                tile.bases, hs.v_offset, tile.count, std::size_t(it.d), hs.acc,
+                                it.ld, hs.state.alpha, value_tiles, hs.prob_words, prefetcher,
+                                prefetch_rows);
+    }
+#endif
+    return;
+  }
+  AccumulateValues<Decoder>(it, probs, stride, tile.bases, hs.v_offset, tile.count, hs.acc,
+                            hs.state.alpha, prefetcher, prefetch_rows);
+}
+
+#endif  // !MJOLNIR_PORTABLE_TARGET
+
+}  // namespace mjolnir::cpu::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#endif  // MJOLNIR_CPU_KERNEL_PATHS_INL_H_
