@@ -27,7 +27,7 @@
 #include <span>
 
 #include "cuda/cuda_backend.h"
-#include "cuda/cuda_bench.h"
+#include "bench/cuda_bench.h"
 #include "cuda/cuda_decode.h"
 #include "non_finite_cases.h"
 #include "reference/emulator_backend.h"

@@ -16,7 +16,7 @@
 #include <nlohmann/json.hpp>
 #include <vector>
 
-#include "cuda/cuda_bench.h"
+#include "bench/cuda_bench.h"
 #endif
 
 namespace mjolnir {

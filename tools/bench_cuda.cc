@@ -3,7 +3,7 @@
 #include "mjolnir/error.h"
 
 #if MJOLNIR_HAS_CUDA
-#include "cuda/cuda_bench.h"
+#include "bench/cuda_bench.h"
 #endif
 
 namespace mjolnir::tools {

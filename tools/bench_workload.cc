@@ -63,7 +63,7 @@ RotatingCaches::RotatingCaches(verify::ProblemSpec spec, std::size_t target_work
                  format_bytes(target_working_set_bytes).c_str());
   }
   // In memory that huge pages may back, as a serving engine's one large cache allocation would
-  // be (cpu/huge_pages.h).
+  // be (bench/huge_pages.h).
   storage_ = cpu::allocate_huge_page_buffer(copies * stride, "bench cache copies");
   for (std::size_t i = 0; i < copies; ++i) {
     std::byte* data = storage_.get() + i * stride;

@@ -9,7 +9,7 @@
 #include <span>
 #include <vector>
 
-#include "cpu/huge_pages.h"
+#include "bench/huge_pages.h"
 #include "mjolnir/decode.h"
 #include "verify/problem.h"
 

@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "cpu/read_bandwidth.h"
+#include "bench/read_bandwidth.h"
 #include "host_backend.h"
 #include "machine_info.h"
 #include "mjolnir/calibrate.h"

@@ -31,7 +31,7 @@
 #include "hwy/targets.h"
 
 #include "cpu/attention_kernel.h"
-#include "cpu/compute_peak.h"
+#include "bench/compute_peak.h"
 #include "mjolnir/decode.h"
 #include "mjolnir/plan.h"
 #include "verify/problem.h"

@@ -26,8 +26,8 @@
 #include <thread>
 #include <vector>
 
-#include "cpu/huge_pages.h"
-#include "cpu/read_bandwidth.h"
+#include "bench/huge_pages.h"
+#include "bench/read_bandwidth.h"
 #include "cpu/tile_prefetcher.h"
 
 namespace {

@@ -1,5 +1,5 @@
 // Device-resident bench workloads and measurements (cuda_bench.h).
-#include "cuda/cuda_bench.h"
+#include "bench/cuda_bench.h"
 
 #include <algorithm>
 #include <cmath>

@@ -1,4 +1,4 @@
-#include "cpu/huge_pages.h"
+#include "bench/huge_pages.h"
 
 #include <fstream>
 

@@ -4,7 +4,7 @@
 #include "cpu/simd_targets.h"
 
 #undef HWY_TARGET_INCLUDE
-#define HWY_TARGET_INCLUDE "cpu/read_bandwidth.cc"
+#define HWY_TARGET_INCLUDE "bench/read_bandwidth.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 // Must come after foreach_target.h.
 #include "hwy/highway.h"
@@ -65,8 +65,8 @@ HWY_AFTER_NAMESPACE();
 #include <thread>
 #include <vector>
 
-#include "cpu/huge_pages.h"
-#include "cpu/read_bandwidth.h"
+#include "bench/huge_pages.h"
+#include "bench/read_bandwidth.h"
 #include "mjolnir/error.h"
 
 namespace mjolnir::cpu {

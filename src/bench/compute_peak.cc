@@ -2,7 +2,7 @@
 #include "cpu/simd_targets.h"
 
 #undef HWY_TARGET_INCLUDE
-#define HWY_TARGET_INCLUDE "cpu/compute_peak.cc"
+#define HWY_TARGET_INCLUDE "bench/compute_peak.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 // Must come after foreach_target.h.
 #include "hwy/highway.h"
@@ -62,7 +62,7 @@ HWY_AFTER_NAMESPACE();
 #include <thread>
 #include <vector>
 
-#include "cpu/compute_peak.h"
+#include "bench/compute_peak.h"
 
 namespace mjolnir::cpu {
 
