@@ -30,9 +30,10 @@
 #include "core/minifloat.h"
 #include "cpu/amx.h"
 #include "cpu/attention_kernel.h"
+#include "cpu/cpu_backend.h"
 #include "cpu/row_encoder.h"
-#include "cpu/subnormals.h"
 #include "cpu/work_units.h"
+#include "expect_error.h"
 #include "mjolnir/format.h"
 #include "non_finite_cases.h"
 #include "test_seed.h"
@@ -151,15 +152,13 @@ void TestDecoders() {
     // slow, must AVX2's fp6 or SSE4's lifted decoders.
     const bool low_bit = format != Format::bf16 && format != Format::fp16;
     for (const bool slow : {false, true}) {
-      set_fp32_subnormals_slow(slow);
-      VisitKernelDecoder(format, 64, [&]<class Decoder>() {
+      VisitKernelDecoder(format, 64, slow, [&]<class Decoder>() {
         CheckDecoder<Decoder>(
             format, {64, 128, 192, 256},
             (MJOLNIR_BF16_WORDS && low_bit) ||
                 (slow && ((MJOLNIR_FP6_HALF && fp6) || (MJOLNIR_LIFTED_DECODERS && low_bit))));
       });
     }
-    set_fp32_subnormals_slow(std::nullopt);
   }
 }
 
@@ -247,7 +246,7 @@ void TestDotDecoders() {
   }
   int checked = 0;
   for (Format format : kAllFormats) {
-    VisitKernelDecoder(format, 128, [&]<class Decoder>() {
+    VisitKernelDecoder(format, 128, false, [&]<class Decoder>() {
       using Dot = typename DotDecoderOf<Decoder>::type;
       if constexpr (!std::is_void_v<Dot>) {
         CheckDotDecoder<Dot>(format);
@@ -422,7 +421,9 @@ HWY_AFTER_NAMESPACE();
 namespace mjolnir_cpu_kernel_tests {
 namespace cpu = mjolnir::cpu;
 namespace verify = mjolnir::verify;
+using mjolnir::Backend;
 using mjolnir::BackendOptions;
+using mjolnir::CpuKernelOptions;
 using mjolnir::Format;
 using mjolnir::kAllFormats;
 using mjolnir::kAllLayouts;
@@ -519,9 +520,8 @@ TEST_P(CpuKernelMatrix, Int8DotMatchesEmulator) {
                  << ") or this CPU has no AVX512_VNNI integer dot products";
   }
   // From 8 query rows the AMX tiles take Q . K where the CPU has them; not here.
-  const bool amx = cpu::amx_enabled();
-  cpu::set_amx_enabled(false);
-  const auto backend = make_backend("cpu", BackendOptions{.threads = 2});
+  const auto backend =
+      make_backend("cpu", BackendOptions{.threads = 2, .cpu_kernels = {.amx = false}});
   const bool vnni = cpu::kernel_target() == "AVX3_DL";  // fp4_e2m1 only on AVX2 and AVX3
   std::mt19937_64 rng(mjolnir::testing::test_seed() + 37);
   const int shapes[][2] = {{1, 1}, {4, 1}, {8, 1}, {3, 2}, {4, 4}, {5, 3}, {16, 2}};
@@ -534,20 +534,21 @@ TEST_P(CpuKernelMatrix, Int8DotMatchesEmulator) {
           verify::Case c = QkCase(format, d, g, q_len, index++, rng());
           c.spec.params.q_mode = QMode::int8;
           c.spec.params.p_mode = p_mode;
-          const std::uint64_t before = cpu::int8_dot_items();
+          const std::uint64_t before = cpu::kernel_path_counts(*backend).int8_dot;
           const verify::CaseResult r = verify::run_case(c, *backend);
           EXPECT_NE(r.status, verify::CaseResult::Status::failed) << c.name() << ": " << r.message;
           if (d % 128 == 0 &&
               (format == Format::fp4_e2m1 || (vnni && format != Format::fp6_e3m2))) {
-            EXPECT_GT(cpu::int8_dot_items(), before) << c.name() << " did not run in integers";
+            EXPECT_GT(cpu::kernel_path_counts(*backend).int8_dot, before)
+                << c.name() << " did not run in integers";
           } else {
-            EXPECT_EQ(cpu::int8_dot_items(), before) << c.name() << " ran in integers";
+            EXPECT_EQ(cpu::kernel_path_counts(*backend).int8_dot, before)
+                << c.name() << " ran in integers";
           }
         }
       }
     }
   }
-  cpu::set_amx_enabled(amx);
 }
 
 TEST_P(CpuKernelMatrix, OddShapesMatchEmulator) {
@@ -587,8 +588,9 @@ TEST_P(CpuKernelMatrix, OddShapesMatchEmulator) {
 // on SSE4, every placed format lifted), run here whatever this CPU is: the low-bit cases of the
 // quick matrix against the emulator.
 TEST_P(CpuKernelMatrix, AvoidingSubnormalsMatchesEmulator) {
-  cpu::set_fp32_subnormals_slow(true);
-  const auto backend = make_backend("cpu", BackendOptions{.threads = 2});
+  const auto backend = make_backend(
+      "cpu", BackendOptions{.threads = 2, .cpu_kernels = {.avoid_fp32_subnormals = true}});
+  ASSERT_TRUE(cpu::kernel_config(*backend).avoid_fp32_subnormals);
   int cases = 0;
   const std::vector<verify::Case> matrix =
       verify::case_matrix(true, mjolnir::testing::test_seed() + 5);
@@ -599,7 +601,6 @@ TEST_P(CpuKernelMatrix, AvoidingSubnormalsMatchesEmulator) {
     EXPECT_NE(r.status, verify::CaseResult::Status::failed) << c.name() << ": " << r.message;
     ++cases;
   }
-  cpu::set_fp32_subnormals_slow(std::nullopt);
   EXPECT_GT(cases, 0);
 }
 
@@ -639,24 +640,74 @@ TEST(CpuBf16Dot, MatchesEmulator) {
     GTEST_SKIP() << "the dispatched target (" << cpu::kernel_target()
                  << ") or this CPU has no AVX512_BF16 / AVX512_VBMI dot products";
   }
-  ASSERT_TRUE(cpu::bf16_dot_enabled()) << "MJOLNIR_CPU_BF16_DOT=0 turned the dot products off";
   // On CPUs with AMX, Q . K would go on its tiles instead (CpuAmx below).
-  const bool amx = cpu::amx_enabled();
-  cpu::set_amx_enabled(false);
-  const auto backend = make_backend("cpu", BackendOptions{.threads = 2});
+  const auto backend =
+      make_backend("cpu", BackendOptions{.threads = 2, .cpu_kernels = {.amx = false}});
+  ASSERT_TRUE(cpu::kernel_config(*backend).bf16_dot);
   ForEachQkCase(
       mjolnir::testing::test_seed() + 23, {{1, 1}, {4, 1}, {8, 1}, {3, 2}, {4, 4}, {5, 3}},
       [&](const verify::Case& c, int mode, int, int) {
-        const std::uint64_t before = cpu::bf16_dot_items();
+        const std::uint64_t before = cpu::kernel_path_counts(*backend).bf16_dot;
         const verify::CaseResult r = verify::run_case(c, *backend);
         EXPECT_NE(r.status, verify::CaseResult::Status::failed) << c.name() << ": " << r.message;
         if (mode < 3) {
-          EXPECT_GT(cpu::bf16_dot_items(), before) << c.name() << " did not run on them";
+          EXPECT_GT(cpu::kernel_path_counts(*backend).bf16_dot, before)
+              << c.name() << " did not run on them";
         } else {
-          EXPECT_EQ(cpu::bf16_dot_items(), before) << c.name() << " ran on them";
+          EXPECT_EQ(cpu::kernel_path_counts(*backend).bf16_dot, before)
+              << c.name() << " ran on them";
         }
       });
-  cpu::set_amx_enabled(amx);
+}
+
+// Turned off in the backend's options, the dot products and the tiles run no work item, and the
+// steps they would have taken match the emulator on the FMAs; on, each runs where the CPU has it.
+TEST(CpuKernelOptions, TurnTheirPathsOff) {
+  const auto off = make_backend(
+      "cpu", BackendOptions{.threads = 2, .cpu_kernels = {.bf16_dot = false, .amx = false}});
+  const auto on = make_backend("cpu", BackendOptions{.threads = 2});
+  EXPECT_FALSE(cpu::kernel_config(*off).bf16_dot);
+  EXPECT_FALSE(cpu::kernel_config(*off).amx);
+  EXPECT_EQ(cpu::kernel_config(*on).bf16_dot, cpu::cpu_has_bf16_dot());
+  EXPECT_EQ(cpu::kernel_config(*on).amx, cpu::cpu_has_bf16_dot() && cpu::cpu_has_amx());
+  ForEachQkCase(mjolnir::testing::test_seed() + 41, {{4, 1}, {8, 2}},
+                [&](const verify::Case& c, int mode, int, int) {
+                  if (mode == 3) return;  // fp32 queries that are not bf16 values: FMAs anyway
+                  for (const Backend* backend : {off.get(), on.get()}) {
+                    const verify::CaseResult r = verify::run_case(c, *backend);
+                    EXPECT_NE(r.status, verify::CaseResult::Status::failed)
+                        << c.name() << ": " << r.message;
+                  }
+                });
+  const cpu::KernelPathCounts counts = cpu::kernel_path_counts(*off);
+  EXPECT_EQ(counts.bf16_dot + counts.amx_scores + counts.amx_values, 0u);
+  const cpu::KernelPathCounts taken = cpu::kernel_path_counts(*on);
+  EXPECT_EQ(taken.bf16_dot > 0, cpu::cpu_has_bf16_dot());
+  EXPECT_EQ(taken.amx_scores > 0, cpu::kernel_config(*on).amx);
+  mjolnir::testing::expect_error([&] { cpu::kernel_path_counts(*make_backend("reference")); },
+                                 "backend: 'reference' is not the cpu backend");
+}
+
+// The CLI's and the Python package's switches: 0 and 1, unset or empty for the default, and an
+// error naming the variable for anything else.
+TEST(CpuKernelOptions, FromTheEnvironment) {
+  const char* names[] = {"MJOLNIR_CPU_BF16_DOT", "MJOLNIR_CPU_AMX", "MJOLNIR_CPU_AVOID_SUBNORMALS"};
+  for (const char* name : names) unsetenv(name);
+  CpuKernelOptions options = mjolnir::cpu_kernel_options_from_environment();
+  EXPECT_TRUE(options.bf16_dot);
+  EXPECT_TRUE(options.amx);
+  EXPECT_FALSE(options.avoid_fp32_subnormals.has_value());
+  setenv("MJOLNIR_CPU_BF16_DOT", "0", 1);
+  setenv("MJOLNIR_CPU_AMX", "", 1);
+  setenv("MJOLNIR_CPU_AVOID_SUBNORMALS", "1", 1);
+  options = mjolnir::cpu_kernel_options_from_environment();
+  EXPECT_FALSE(options.bf16_dot);
+  EXPECT_TRUE(options.amx);
+  EXPECT_EQ(options.avoid_fp32_subnormals, std::optional<bool>(true));
+  setenv("MJOLNIR_CPU_AMX", "off", 1);
+  mjolnir::testing::expect_error([] { mjolnir::cpu_kernel_options_from_environment(); },
+                                 "MJOLNIR_CPU_AMX: 'off' is neither 0 nor 1");
+  for (const char* name : names) unsetenv(name);
 }
 
 // auto_modes picks Q int8 exactly where Q . K then runs in integers (below the AMX tiles' rows),
@@ -665,13 +716,14 @@ TEST(CpuInt8Dot, AutoModesPickInt8WhereItRuns) {
   // This CPU's target with integer dot products decodes fp4_e2m1 at least.
   EXPECT_EQ(cpu::int8_dot_applies(Format::fp4_e2m1, 128), cpu::cpu_has_int8_dot());
   const auto backend = make_backend("cpu", BackendOptions{.threads = 1});
-  const bool tiles = cpu::amx_enabled() && cpu::cpu_has_amx() && cpu::cpu_has_bf16_dot();
+  const bool tiles = cpu::cpu_has_amx() && cpu::cpu_has_bf16_dot();
   for (const Format format : kAllFormats) {
     for (const int d : {64, 128, 256}) {
       for (const int rows : {1, 4, 8, 32}) {
         const mjolnir::CacheGeometry geometry{format, 4, 16, 8, d};
         const mjolnir::NumericsModes modes = backend->auto_modes(geometry, rows, true);
-        const bool amx_scores = rows >= 8 && tiles && cpu::bf16_dot_applies(format, QMode::bf16, d);
+        const bool amx_scores =
+            rows >= 8 && tiles && format != Format::fp16 && d % 64 == 0;  // bf16_dot_applies
         const bool int8 =
             cpu::cpu_has_int8_dot() && d % 128 == 0 && !amx_scores &&
             (format == Format::fp4_e2m1 || format == Format::fp6_e2m3 || format == Format::nvfp4);
@@ -692,18 +744,20 @@ TEST(CpuAmx, MatchesEmulator) {
     GTEST_SKIP() << "this CPU (or the dispatched target, " << cpu::kernel_target()
                  << ") has no AMX-BF16 tiles, or Linux did not grant them";
   }
-  ASSERT_TRUE(cpu::amx_enabled()) << "MJOLNIR_CPU_AMX=0 turned the tiles off";
   const auto backend = make_backend("cpu", BackendOptions{.threads = 2});
+  ASSERT_TRUE(cpu::kernel_config(*backend).amx);
   ForEachQkCase(
       mjolnir::testing::test_seed() + 29, {{1, 1}, {4, 1}, {4, 4}, {8, 2}, {8, 3}, {16, 2}},
       [&](const verify::Case& c, int mode, int g, int q_len) {
-        const std::uint64_t before = cpu::amx_items();
+        const std::uint64_t before = cpu::kernel_path_counts(*backend).amx_scores;
         const verify::CaseResult r = verify::run_case(c, *backend);
         EXPECT_NE(r.status, verify::CaseResult::Status::failed) << c.name() << ": " << r.message;
         if (mode < 3 && g * q_len >= 8) {  // kAmxMinRows
-          EXPECT_GT(cpu::amx_items(), before) << c.name() << " did not run on the tiles";
+          EXPECT_GT(cpu::kernel_path_counts(*backend).amx_scores, before)
+              << c.name() << " did not run on the tiles";
         } else {
-          EXPECT_EQ(cpu::amx_items(), before) << c.name() << " ran on the tiles";
+          EXPECT_EQ(cpu::kernel_path_counts(*backend).amx_scores, before)
+              << c.name() << " ran on the tiles";
         }
       });
 }
@@ -718,18 +772,20 @@ TEST(CpuAmx, ValuesMatchEmulator) {
     GTEST_SKIP() << "this CPU (or the dispatched target, " << cpu::kernel_target()
                  << ") has no AMX-BF16 tiles, or Linux did not grant them";
   }
-  ASSERT_TRUE(cpu::amx_enabled()) << "MJOLNIR_CPU_AMX=0 turned the tiles off";
   const auto backend = make_backend("cpu", BackendOptions{.threads = 2});
+  ASSERT_TRUE(cpu::kernel_config(*backend).amx);
   std::vector<double> tile_errors;
   const auto check = [&](const verify::Case& c, bool tiles) {
-    const std::uint64_t before = cpu::amx_value_items();
+    const std::uint64_t before = cpu::kernel_path_counts(*backend).amx_values;
     const verify::CaseResult r = verify::run_case(c, *backend);
     EXPECT_NE(r.status, verify::CaseResult::Status::failed) << c.name() << ": " << r.message;
     if (tiles) {
-      EXPECT_GT(cpu::amx_value_items(), before) << c.name() << " did not run on the tiles";
+      EXPECT_GT(cpu::kernel_path_counts(*backend).amx_values, before)
+          << c.name() << " did not run on the tiles";
       tile_errors.push_back(r.error_vs_emulator);
     } else {
-      EXPECT_EQ(cpu::amx_value_items(), before) << c.name() << " ran on the tiles";
+      EXPECT_EQ(cpu::kernel_path_counts(*backend).amx_values, before)
+          << c.name() << " ran on the tiles";
     }
   };
   ForEachQkCase(mjolnir::testing::test_seed() + 31,

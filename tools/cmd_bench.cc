@@ -12,12 +12,13 @@
 #include <string>
 #include <vector>
 
-#include "bench_cuda.h"
-#include "bench_workload.h"
-#include "cpu/attention_kernel.h"
 #include "bench/compute_peak.h"
 #include "bench/huge_pages.h"
 #include "bench/read_bandwidth.h"
+#include "bench_cuda.h"
+#include "bench_workload.h"
+#include "cpu/attention_kernel.h"
+#include "cpu/cpu_backend.h"
 #include "host_backend.h"
 #include "machine_info.h"
 #include "mjolnir/calibrate.h"
@@ -290,7 +291,7 @@ Limit measure_limit(bool on_gpu, int threads) {
                    {"fma_peak_gflops", fma_gflops},
                    {"cpu", cpu_model_name()},
                    {"simd_target", cpu::dispatched_simd_target()},
-                   {"bf16_dot_products", cpu::cpu_has_bf16_dot() && cpu::bf16_dot_enabled()},
+                   {"bf16_dot_products", cpu::kernel_config(*make_host_backend("cpu")).bf16_dot},
                    {"threads", threads},
                    {"llc_bytes", llc},
                    {"transparent_huge_pages", huge_pages}};
@@ -319,7 +320,8 @@ std::optional<Row> measure(const Backend& host_backend, bool on_gpu,
   row.backend = host_backend.name();
   row.spec = spec;
   row.qk_bf16_dot = !on_gpu && row.backend == "cpu" && spec.params.p_mode != PMode::fp8 &&
-                    cpu::bf16_dot_applies(spec.format, spec.params.q_mode, spec.head_dim);
+                    cpu::bf16_dot_applies(cpu::kernel_config(host_backend), spec.format,
+                                          spec.params.q_mode, spec.head_dim);
   // Working sets below this (or 4x the last-level cache) would time the cache, not memory.
   const std::size_t working_set = std::max(kMinWorkingSetBytes, 4 * cpu::last_level_cache_bytes());
   row.measurement = on_gpu ? measure_cuda(spec, plan_options, timing)

@@ -6,12 +6,14 @@
 #include <string>
 #include <vector>
 
+#include "bench/huge_pages.h"
+#include "bench/read_bandwidth.h"
 #include "core/gpu_devices.h"
 #include "cpu/amx.h"
 #include "cpu/attention_kernel.h"
-#include "bench/huge_pages.h"
-#include "bench/read_bandwidth.h"
+#include "cpu/cpu_backend.h"
 #include "cpu/subnormals.h"
+#include "host_backend.h"
 #include "machine_info.h"
 #include "mjolnir/decode.h"
 
@@ -46,19 +48,24 @@ int run_info() {
               cpu::dispatched_simd_target().c_str());
   std::printf("CPU: %s, %d hardware threads, last-level cache %s\n", cpu_model_name().c_str(),
               hardware_threads(), format_bytes(cpu::last_level_cache_bytes()).c_str());
+  // The kernel variants the cpu backend takes here: this CPU's, less what the environment turns
+  // off (cpu_kernel_options_from_environment).
+  const cpu::KernelConfig kernels = cpu::kernel_config(*make_host_backend("cpu"));
   std::printf("bf16 dot products (Q . K with Q in bf16 or fp8): %s\n",
-              !cpu::cpu_has_bf16_dot()  ? "no (the dispatched target or the CPU lacks AVX512_BF16)"
-              : cpu::bf16_dot_enabled() ? "yes"
-                                        : "off (MJOLNIR_CPU_BF16_DOT=0)");
-  std::printf("AMX tiles (Q . K from 8 query rows, where the dot products apply): %s\n",
+              !cpu::cpu_has_bf16_dot() ? "no (the dispatched target or the CPU lacks AVX512_BF16)"
+              : kernels.bf16_dot       ? "yes"
+                                       : "off (MJOLNIR_CPU_BF16_DOT=0)");
+  std::printf("AMX tiles (Q . K and P . V from 8 query rows, where the dot products apply): %s\n",
               !cpu::cpu_has_amx() || !cpu::cpu_has_bf16_dot()
                   ? "no (the CPU lacks AMX-BF16, or Linux did not grant the tile state)"
-              : cpu::amx_enabled() ? "yes"
-                                   : "off (MJOLNIR_CPU_AMX=0)");
-  std::printf("fp32 subnormal FMAs: %s\n",
-              cpu::fp32_subnormals_are_slow()
-                  ? "slow (Intel, or MJOLNIR_CPU_AVOID_SUBNORMALS=1): decoders that avoid them"
-                  : "full speed");
+              : kernels.amx ? "yes"
+                            : "off (MJOLNIR_CPU_AMX=0 or MJOLNIR_CPU_BF16_DOT=0)");
+  std::printf("fp32 subnormal FMAs: %s; decoders that avoid them: %s\n",
+              cpu::fp32_subnormals_are_slow() ? "slow (Intel)" : "full speed",
+              kernels.avoid_fp32_subnormals == cpu::fp32_subnormals_are_slow()
+                  ? (kernels.avoid_fp32_subnormals ? "yes" : "no")
+                  : (kernels.avoid_fp32_subnormals ? "yes (MJOLNIR_CPU_AVOID_SUBNORMALS=1)"
+                                                   : "no (MJOLNIR_CPU_AVOID_SUBNORMALS=0)"));
   std::printf("transparent huge pages: %s\n", cpu::transparent_huge_pages_mode().c_str());
 
   std::printf("backends:");

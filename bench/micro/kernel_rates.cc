@@ -30,8 +30,9 @@
 
 #include "hwy/targets.h"
 
-#include "cpu/attention_kernel.h"
 #include "bench/compute_peak.h"
+#include "cpu/attention_kernel.h"
+#include "cpu/cpu_backend.h"
 #include "mjolnir/decode.h"
 #include "mjolnir/plan.h"
 #include "verify/problem.h"
@@ -42,6 +43,12 @@ namespace {
 constexpr int kKvHeads = 8;
 constexpr int kHeadDim = 128;
 constexpr int kContext = 2048;  // 8 heads x 2048 tokens: 4 MiB of bf16, resident in L3
+
+// One worker, with the kernel variants the environment asks for (MJOLNIR_CPU_BF16_DOT=0 and the
+// like, as for the CLI).
+BackendOptions OneThread() {
+  return BackendOptions{.threads = 1, .cpu_kernels = cpu_kernel_options_from_environment()};
+}
 
 double fma_peak_flops_one_thread() {
   static const double flops = cpu::measure_fma_peak_gflops(1, 0.3) * 1e9;
@@ -60,7 +67,7 @@ void Decode(benchmark::State& state, Format format, int group, int q_len, QMode 
   spec.keep_original_kv = false;
   verify::Problem problem(spec);
   const DecodeArgs args = problem.args();
-  const auto backend = make_backend("cpu", BackendOptions{.threads = 1});
+  const auto backend = make_backend("cpu", OneThread());
   PlanOptions options;
   options.workers = 1;
   Plan plan(PlanCapacity{1, kKvHeads, 16});
@@ -73,7 +80,8 @@ void Decode(benchmark::State& state, Format format, int group, int q_len, QMode 
   // QK and PV, 2 flops per multiply-add; QK's at twice the rate where it runs on bf16 dot
   // products (2 multiply-adds per lane and instruction), 4 times in integers (4).
   const bool int8 = q_mode == QMode::int8 && cpu::int8_dot_applies(format, kHeadDim);
-  const double qk_share = int8 ? 0.25 : cpu::bf16_dot_applies(format, q_mode, kHeadDim) ? 0.5 : 1.0;
+  const bool dot = cpu::bf16_dot_applies(cpu::kernel_config(*backend), format, q_mode, kHeadDim);
+  const double qk_share = int8 ? 0.25 : dot ? 0.5 : 1.0;
   const double flops_per_token_head = 2.0 * group * q_len * kHeadDim * (1.0 + qk_share);
   state.counters["ns_per_token_head"] = benchmark::Counter(
       token_heads / 1e9, benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
@@ -101,7 +109,7 @@ void Prefill(benchmark::State& state, Format format, PMode p_mode) {
   spec.keep_original_kv = false;
   verify::Problem problem(spec);
   const DecodeArgs args = problem.args();
-  const auto backend = make_backend("cpu", BackendOptions{.threads = 1});
+  const auto backend = make_backend("cpu", OneThread());
   PlanOptions options;
   options.workers = 1;
   const StepShape step = args.step_shape();
@@ -185,7 +193,8 @@ int main(int argc, char** argv) {
   benchmark::AddCustomContext("kernel_target", mjolnir::cpu::kernel_target());
   benchmark::AddCustomContext(
       "bf16_dot_products",
-      mjolnir::cpu::cpu_has_bf16_dot() && mjolnir::cpu::bf16_dot_enabled() ? "yes" : "no");
+      mjolnir::cpu::resolve_kernel_config(mjolnir::OneThread().cpu_kernels).bf16_dot ? "yes"
+                                                                                     : "no");
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   return 0;

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -204,10 +205,28 @@ class Executor {
                             const std::function<void(std::int64_t, int)>& fn) = 0;
 };
 
+// The CPU kernel's variants. Each runs where this CPU has it and the step is one it serves
+// (docs/cpu-performance.md); turning one off here keeps those steps on the variant below it, for
+// A/B measurements and tests. `mjolnir info` says which this machine takes.
+struct CpuKernelOptions {
+  bool bf16_dot = true;  // Q . K on AVX-512 BF16 dot products (else fp32 FMAs)
+  bool amx = true;       // Q . K and P . V on AMX tiles from 8 query rows (else the dot products)
+  // Decoders that never make an fp32 subnormal, whose FMAs take a microcode assist on Intel
+  // cores. Unset: where this CPU's subnormal FMAs are slow.
+  std::optional<bool> avoid_fp32_subnormals;
+};
+
+// What the environment asks for: MJOLNIR_CPU_BF16_DOT=0 and MJOLNIR_CPU_AMX=0 turn those off,
+// MJOLNIR_CPU_AVOID_SUBNORMALS=1 or 0 sets the decoders; anything else keeps the default. The
+// library reads no environment of its own: the CLI and the Python package pass this to
+// make_backend. Throws Error naming the variable for a value other than 0 or 1.
+CpuKernelOptions cpu_kernel_options_from_environment();
+
 struct BackendOptions {
   int threads = 0;  // CPU: worker threads, 0 = all cores; at most kMaxCpuThreads
   // CPU: run on this executor instead of threads of its own (threads must then be 0).
   std::shared_ptr<Executor> executor;
+  CpuKernelOptions cpu_kernels;  // CPU: the kernel variants it may take
 };
 
 // "reference" (the emulator), "cpu", "cuda" (when compiled). Throws Error for unknown names, for

@@ -109,7 +109,9 @@ std::tuple<std::string, std::string> auto_modes(const std::string& backend,
                                                 int max_tile_rows, bool bf16_queries) {
   MJOLNIR_REQUIRE(backend == "cpu" || backend == "reference", "backend: '", backend,
                   "' is not one of cpu, reference");
-  static const std::unique_ptr<Backend> cpu = make_backend("cpu", {.threads = 1});
+  // With the kernel variants the environment asks for, as the ops' backends (tensor_views.cpp).
+  static const std::unique_ptr<Backend> cpu =
+      make_backend("cpu", {.threads = 1, .cpu_kernels = cpu_kernel_options_from_environment()});
   static const std::unique_ptr<Backend> reference = make_backend("reference");
   const Backend& b = backend == "reference" ? *reference : *cpu;
   CacheGeometry geometry;

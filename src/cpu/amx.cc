@@ -1,9 +1,5 @@
 #include "cpu/amx.h"
 
-#include <atomic>
-#include <cstdlib>
-#include <cstring>
-
 #if defined(__x86_64__) && defined(__linux__)
 #include <cpuid.h>
 #include <sys/syscall.h>
@@ -29,31 +25,11 @@ bool probe_amx() {
 #endif
 }
 
-std::atomic<bool>& amx_flag() {
-  static std::atomic<bool> flag{[] {
-    const char* env = std::getenv("MJOLNIR_CPU_AMX");
-    return env == nullptr || std::strcmp(env, "0") != 0;
-  }()};
-  return flag;
-}
-
-std::atomic<std::uint64_t> g_amx_items{0};
-std::atomic<std::uint64_t> g_amx_value_items{0};
-
 }  // namespace
 
 bool cpu_has_amx() {
   static const bool has = probe_amx();
   return has;
 }
-
-void set_amx_enabled(bool enabled) { amx_flag().store(enabled); }
-bool amx_enabled() { return amx_flag().load(std::memory_order_relaxed); }
-
-std::uint64_t amx_items() { return g_amx_items.load(); }
-void count_amx_item() { g_amx_items.fetch_add(1, std::memory_order_relaxed); }
-
-std::uint64_t amx_value_items() { return g_amx_value_items.load(); }
-void count_amx_value_item() { g_amx_value_items.fetch_add(1, std::memory_order_relaxed); }
 
 }  // namespace mjolnir::cpu

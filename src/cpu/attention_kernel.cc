@@ -63,8 +63,8 @@ namespace hn = hwy::HWY_NAMESPACE;
 #if MJOLNIR_PORTABLE_TARGET
 
 // Highway's fallback target: the scalar portable path item by item, then copy its rows out.
-void RunWorkUnit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, int heads,
-                 KernelScratch& scratch, const ItemOutput* outs) {
+void RunWorkUnit(const KernelConfig&, const DecodeArgs& args, const Plan& plan,
+                 const WorkItem* items, int heads, KernelScratch& scratch, const ItemOutput* outs) {
   const int d = args.cache.geometry.head_dim;
   const int rows = items[0].q_count * (args.params.num_q_heads / args.cache.geometry.num_kv_heads);
   for (int h = 0; h < heads; ++h) {
@@ -214,14 +214,14 @@ void WriteOutputs(const DecodeArgs& args, const WorkItem* items, int heads,
 // in the unit) are read at once, as contiguous memory in every layout. The paths each step
 // takes are chosen once, by kernel_paths-inl.h.
 template <class Decoder>
-void RunUnit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, int heads,
-             KernelScratch& scratch, const ItemOutput* outs) {
+void RunUnit(const KernelConfig& config, const DecodeArgs& args, const Plan& plan,
+             const WorkItem* items, int heads, KernelScratch& scratch, const ItemOutput* outs) {
   const KvCacheView& cache = args.cache;
   const CacheGeometry& geo = cache.geometry;
   const int d = geo.head_dim;
   const int g = args.params.num_q_heads / geo.num_kv_heads;
   const int rows = items[0].q_count * g;  // the unit's items share their query tile
-  const UnitPaths paths = ChooseUnitPaths<Decoder>(args, rows);
+  const UnitPaths paths = ChooseUnitPaths<Decoder>(config, args, rows);
   // With P rounded, P codes depend on each tile's running max: the plan's tile, as the emulator.
   const int tile = args.params.p_mode != PMode::fp32
                        ? plan.tile_tokens
@@ -296,6 +296,7 @@ void RunUnit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, in
 #endif
     hs.prob_words = nullptr;
     PrepareHeadQuery<Decoder>(hs, qn, score_scale, order);
+    CountPath(hs.path, scratch.counts);
   }
 
   ScoreScratch score_scratch{};
@@ -330,7 +331,7 @@ void RunUnit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, in
         scratch.floats(kAmxValues, (value_words + prob_words * heads) / 2));
     for (int h = 0; h < heads; ++h) {
       head_state[h].prob_words = amx_value_tiles + value_words + prob_words * h;
-      count_amx_value_item();
+      ++scratch.counts.amx_values;
     }
   }
   const AmxTiles amx_tiles(paths.amx_scores || paths.amx_values);
@@ -428,11 +429,12 @@ void RunUnit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, in
                p_exp + v_raw_exp);
 }
 
-void RunWorkUnit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, int heads,
-                 KernelScratch& scratch, const ItemOutput* outs) {
-  VisitKernelDecoder(
-      args.cache.geometry.format, std::size_t(args.cache.geometry.head_dim),
-      [&]<class Decoder>() { RunUnit<Decoder>(args, plan, items, heads, scratch, outs); });
+void RunWorkUnit(const KernelConfig& config, const DecodeArgs& args, const Plan& plan,
+                 const WorkItem* items, int heads, KernelScratch& scratch, const ItemOutput* outs) {
+  VisitKernelDecoder(args.cache.geometry.format, std::size_t(args.cache.geometry.head_dim),
+                     config.avoid_fp32_subnormals, [&]<class Decoder>() {
+                       RunUnit<Decoder>(config, args, plan, items, heads, scratch, outs);
+                     });
 }
 
 #endif  // MJOLNIR_PORTABLE_TARGET
@@ -503,27 +505,12 @@ void* KernelScratch::bytes(std::size_t count) {
   return bytes_.get();
 }
 
-std::atomic<std::uint64_t> g_bf16_dot_items{0};
-std::atomic<std::uint64_t> g_int8_dot_items{0};
-
-namespace {
-std::atomic<bool>& bf16_dot_flag() {
-  static std::atomic<bool> flag{[] {
-    const char* env = std::getenv("MJOLNIR_CPU_BF16_DOT");
-    return env == nullptr || std::strcmp(env, "0") != 0;
-  }()};
-  return flag;
-}
-}  // namespace
-
-void set_bf16_dot_enabled(bool enabled) { bf16_dot_flag().store(enabled); }
-bool bf16_dot_enabled() { return bf16_dot_flag().load(std::memory_order_relaxed); }
-
-bool bf16_dot_applies(Format format, QMode q_mode, int head_dim) {
+bool bf16_dot_applies(const KernelConfig& config, Format format, QMode q_mode, int head_dim) {
   // The formats whose codes are all bf16 values (bf16_dot-inl.h has a decoder for each).
   const bool bf16_codes = format != Format::fp16;
-  return bf16_codes && (q_mode == QMode::bf16 || q_mode == QMode::fp8 || q_mode == QMode::int8) &&
-         head_dim % 64 == 0 && bf16_dot_enabled() && cpu_has_bf16_dot();
+  return config.bf16_dot && bf16_codes &&
+         (q_mode == QMode::bf16 || q_mode == QMode::fp8 || q_mode == QMode::int8) &&
+         head_dim % 64 == 0;
 }
 
 bool cpu_has_bf16_dot() { return HWY_DYNAMIC_DISPATCH(HasBf16Dot)(); }
@@ -534,18 +521,19 @@ bool int8_dot_applies(Format format, int head_dim) {
   return head_dim % 128 == 0 && HWY_DYNAMIC_DISPATCH(HasInt8DotFor)(format);
 }
 
-std::uint64_t bf16_dot_items() { return g_bf16_dot_items.load(); }
-
-std::uint64_t int8_dot_items() { return g_int8_dot_items.load(); }
-
-bool amx_values_apply(Format format, PMode p_mode, int head_dim) {
-  return p_mode == PMode::bf16 && format != Format::fp16 && head_dim % 64 == 0 &&
-         bf16_dot_enabled() && cpu_has_bf16_dot() && amx_enabled() && cpu_has_amx();
+bool amx_scores_apply(const KernelConfig& config, Format format, int rows, int head_dim) {
+  return rows >= kAmxMinRows && config.amx &&
+         bf16_dot_applies(config, format, QMode::bf16, head_dim);
 }
 
-void run_work_unit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, int heads,
-                   KernelScratch& scratch, const ItemOutput* outs) {
-  HWY_DYNAMIC_DISPATCH(RunWorkUnit)(args, plan, items, heads, scratch, outs);
+bool amx_values_apply(const KernelConfig& config, Format format, PMode p_mode, int head_dim) {
+  return p_mode == PMode::bf16 && format != Format::fp16 && head_dim % 64 == 0 && config.amx;
+}
+
+void run_work_unit(const KernelConfig& config, const DecodeArgs& args, const Plan& plan,
+                   const WorkItem* items, int heads, KernelScratch& scratch,
+                   const ItemOutput* outs) {
+  HWY_DYNAMIC_DISPATCH(RunWorkUnit)(config, args, plan, items, heads, scratch, outs);
 }
 
 std::vector<std::string> kernel_targets() {

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "cpu/attention_item.h"
+#include "cpu/kernel_config.h"
 #include "hwy/aligned_allocator.h"
 #include "mjolnir/decode.h"
 
@@ -38,7 +39,8 @@ class KernelScratch {
   const std::uint8_t** row_pointers(std::size_t count);
   void* bytes(std::size_t count);  // untyped, for per-target structures
 
-  ItemScratch portable;  // the scalar path's buffers
+  ItemScratch portable;     // the scalar path's buffers
+  KernelPathCounts counts;  // the work items this worker ran, by path
 
  private:
   static constexpr int kSlots = 12;
@@ -55,43 +57,40 @@ class KernelScratch {
 // h's rows to outs[h]. Their tiles are processed together, so each tile reads the K/V rows of
 // all those heads at once: whole pages, contiguous in every layout, instead of one head's
 // rows scattered at the token stride.
-void run_work_unit(const DecodeArgs& args, const Plan& plan, const WorkItem* items, int heads,
-                   KernelScratch& scratch, const ItemOutput* outs);
+// `config`: the backend's kernel variants; the paths each item took are counted in
+// scratch.counts.
+void run_work_unit(const KernelConfig& config, const DecodeArgs& args, const Plan& plan,
+                   const WorkItem* items, int heads, KernelScratch& scratch,
+                   const ItemOutput* outs);
 
 // Q . K on AVX-512 BF16 dot products (cpu/bf16_dot-inl.h), twice the multiply-adds per
 // instruction of fp32 FMAs, in steps where it is exact: Q in bf16 or fp8 mode, P in fp32, K in
 // bf16, fp8, fp6, fp4_e2m1 or nvfp4 (not fp16), D a multiple of 64, on a CPU with AVX512_BF16
 // and AVX512_VBMI.
 // Q in fp32 mode whose values are all bf16 values (a bf16 model's queries, with per-tensor or
-// per-head K scales) is Q in bf16 mode, and takes them too. Enabled by default;
-// MJOLNIR_CPU_BF16_DOT=0 in the environment, or set_bf16_dot_enabled(false), keeps Q . K on
-// fp32 FMAs (tests and benchmarks compare the two). On CPUs with AMX-BF16, steps of 8 query rows
-// or more take AMX tiles instead (cpu/amx.h, cpu/amx_scores-inl.h), nvfp4 aside.
-void set_bf16_dot_enabled(bool enabled);
-bool bf16_dot_enabled();
-// Whether steps of this format, Q mode and head size run Q . K on the dot products here (the
-// CPU has them, they are enabled, and the step is one where they are exact), with P in fp32.
-bool bf16_dot_applies(Format format, QMode q_mode, int head_dim);
+// per-head K scales) is Q in bf16 mode, and takes them too. CpuKernelOptions::bf16_dot off keeps
+// Q . K on fp32 FMAs (tests and benchmarks compare the two). On CPUs with AMX-BF16, steps of 8
+// query rows or more take AMX tiles instead (cpu/amx.h, cpu/amx_scores-inl.h).
+// Whether steps of this format, Q mode and head size run Q . K on the dot products under `config`
+// (the backend takes them, and the step is one where they are exact), with P in fp32.
+bool bf16_dot_applies(const KernelConfig& config, Format format, QMode q_mode, int head_dim);
 // Whether the dispatched target has the dot products compiled and the CPU runs them.
 bool cpu_has_bf16_dot();
-// Work items (one KV head's rows against a token range) whose Q . K ran on the dot products since
-// the process started: tests check which steps take them.
-std::uint64_t bf16_dot_items();
 // Whether the dispatched target has the integer dot products compiled and the CPU runs them.
 bool cpu_has_int8_dot();
 // Whether steps of this format and head size run Q . K in integers in Q mode int8 below the
 // AMX tiles' rows: D a multiple of 128, and the dispatched target decodes the format into bytes
 // (AVX-512 VNNI: fp4_e2m1, fp6_e2m3, nvfp4; AVX2: fp4_e2m1).
 bool int8_dot_applies(Format format, int head_dim);
-// Work items whose Q . K ran in integers (Q mode int8, int8_dot_applies; cpu/int8_dot-inl.h)
-// since the process started.
-std::uint64_t int8_dot_items();
 
+// Whether a unit of `rows` query rows of this format and head size runs Q . K on AMX tiles under
+// `config`: from kAmxMinRows, wherever the bf16 dot products apply.
+bool amx_scores_apply(const KernelConfig& config, Format format, int rows, int head_dim);
 // Whether steps of this format, P mode and head size run P . V on AMX tiles from kAmxMinRows (8)
-// query rows (cpu/amx_values-inl.h): P mode bf16, the tiles and the dot products here and
-// enabled, a format whose values are bf16 values (not fp16), D a multiple of 64. Their P is
-// rounded from the kernel's own scores (Backend::rounds_p_from_own_scores).
-bool amx_values_apply(Format format, PMode p_mode, int head_dim);
+// query rows (cpu/amx_values-inl.h): P mode bf16, the tiles taken under `config`, a format whose
+// values are bf16 values (not fp16), D a multiple of 64. Their P is rounded from the kernel's own
+// scores (Backend::rounds_p_from_own_scores).
+bool amx_values_apply(const KernelConfig& config, Format format, PMode p_mode, int head_dim);
 // Query rows (g x q_len) of a work unit from which Q . K goes on AMX tiles wherever the dot
 // products apply (and P . V too, in P mode bf16). With 4 rows (g 4, q_len 1) the dot products
 // were faster from memory (mjolnir bench, 32k tokens, Q bf16, interleaved: the tiles took bf16

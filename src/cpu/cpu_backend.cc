@@ -13,6 +13,7 @@
 #include "cpu/attention_kernel.h"
 #include "cpu/thread_pool.h"
 #include "cpu/work_units.h"
+#include "mjolnir/error.h"
 
 namespace mjolnir::cpu {
 
@@ -97,7 +98,8 @@ constexpr std::int64_t kParallelMergeFloats = 1 << 16;
 
 class CpuBackend final : public Backend {
  public:
-  explicit CpuBackend(std::shared_ptr<Executor> executor) : executor_(std::move(executor)) {}
+  CpuBackend(std::shared_ptr<Executor> executor, const CpuKernelOptions& kernels)
+      : executor_(std::move(executor)), config_(resolve_kernel_config(kernels)) {}
 
   std::string_view name() const override { return "cpu"; }
   std::string unsupported_reason(const CacheGeometry&, const DecodeParams&) const override {
@@ -116,13 +118,13 @@ class CpuBackend final : public Backend {
                            bool bf16_queries) const override {
     NumericsModes modes;
     if (bf16_queries) modes.q_mode = QMode::bf16;
-    const bool amx_scores = max_tile_rows >= kAmxMinRows && amx_enabled() && cpu_has_amx() &&
-                            bf16_dot_applies(geometry.format, QMode::bf16, geometry.head_dim);
+    const bool amx_scores =
+        amx_scores_apply(config_, geometry.format, max_tile_rows, geometry.head_dim);
     if (!amx_scores && int8_dot_applies(geometry.format, geometry.head_dim)) {
       modes.q_mode = QMode::int8;
     }
     if (max_tile_rows >= kAmxMinRows &&
-        amx_values_apply(geometry.format, PMode::bf16, geometry.head_dim)) {
+        amx_values_apply(config_, geometry.format, PMode::bf16, geometry.head_dim)) {
       modes.p_mode = PMode::bf16;
     }
     return modes;
@@ -204,7 +206,7 @@ class CpuBackend final : public Backend {
             }
             s.outs[h] = ItemOutput{o_rows, lse_rows, unit.part_slot < 0 ? nullptr : stats_rows};
           }
-          run_work_unit(args, plan, s.items.data(), unit.heads, s.kernel, s.outs.data());
+          run_work_unit(config_, args, plan, s.items.data(), unit.heads, s.kernel, s.outs.data());
         });
 
     // Token parts of cut chunks merge into their items' destinations: one task per KV head.
@@ -258,6 +260,14 @@ class CpuBackend final : public Backend {
     });
   }
 
+  const KernelConfig& config() const { return config_; }
+  KernelPathCounts path_counts() const {
+    std::lock_guard lock(run_mutex_);
+    KernelPathCounts total;
+    for (const WorkerScratch& s : scratch_) total += s.kernel.counts;
+    return total;
+  }
+
  private:
   struct WorkerScratch {
     KernelScratch kernel;
@@ -266,6 +276,7 @@ class CpuBackend final : public Backend {
     std::vector<ItemOutput> outs;
   };
   std::shared_ptr<Executor> executor_;
+  const KernelConfig config_;
   mutable std::vector<WorkerScratch> scratch_;
   mutable UnitSchedule schedule_;
   mutable std::vector<std::pair<int, int>> tasks_;
@@ -280,7 +291,21 @@ std::unique_ptr<Backend> make_cpu_backend(const BackendOptions& options) {
     executor =
         std::make_shared<ThreadPool>(options.threads > 0 ? options.threads : hardware_threads());
   }
-  return std::make_unique<CpuBackend>(std::move(executor));
+  return std::make_unique<CpuBackend>(std::move(executor), options.cpu_kernels);
+}
+
+namespace {
+const CpuBackend& as_cpu_backend(const Backend& backend) {
+  const auto* cpu = dynamic_cast<const CpuBackend*>(&backend);
+  MJOLNIR_REQUIRE(cpu != nullptr, "backend: '", backend.name(), "' is not the cpu backend");
+  return *cpu;
+}
+}  // namespace
+
+KernelConfig kernel_config(const Backend& backend) { return as_cpu_backend(backend).config(); }
+
+KernelPathCounts kernel_path_counts(const Backend& backend) {
+  return as_cpu_backend(backend).path_counts();
 }
 
 }  // namespace mjolnir::cpu

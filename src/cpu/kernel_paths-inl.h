@@ -15,7 +15,6 @@
 #endif
 
 #include <algorithm>
-#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <type_traits>
@@ -30,16 +29,14 @@
 #include "cpu/fma_values-inl.h"
 #include "cpu/int8_dot-inl.h"
 #include "cpu/item_context.h"
+#include "cpu/kernel_config.h"
 #include "cpu/online_softmax-inl.h"
 #include "cpu/prepare_query-inl.h"
 #include "cpu/tile_prefetcher.h"
 #include "hwy/highway.h"
 #include "mjolnir/decode.h"
 
-namespace mjolnir::cpu {
-extern std::atomic<std::uint64_t> g_bf16_dot_items;  // behind bf16_dot_items()
-extern std::atomic<std::uint64_t> g_int8_dot_items;  // behind int8_dot_items()
-}  // namespace mjolnir::cpu
+namespace mjolnir::cpu {}  // namespace mjolnir::cpu
 
 HWY_BEFORE_NAMESPACE();
 namespace mjolnir::cpu::HWY_NAMESPACE {
@@ -77,16 +74,17 @@ using DotOf = typename DotDecoderOf<Decoder>::type;
 // apply, Q . K goes on AMX tiles on CPUs that have them; Q mode int8 against codes that are small
 // integers goes on VNNI or vpmaddubsw, below the rows where the tiles take it.
 template <class Decoder>
-UnitPaths ChooseUnitPaths(const DecodeArgs& args, int rows) {
+UnitPaths ChooseUnitPaths(const KernelConfig& config, const DecodeArgs& args, int rows) {
   const Format format = args.cache.geometry.format;
   const int d = args.cache.geometry.head_dim;
   UnitPaths paths;
   paths.exact = args.params.p_mode == PMode::fp8;
 #if MJOLNIR_BF16_DOT
   if constexpr (!std::is_void_v<DotOf<Decoder>>) {
-    paths.amx_values = rows >= kAmxMinRows && amx_values_apply(format, args.params.p_mode, d);
-    paths.dot_format = !paths.exact && bf16_dot_applies(format, QMode::bf16, d);
-    paths.amx_scores = paths.dot_format && rows >= kAmxMinRows && amx_enabled() && cpu_has_amx();
+    paths.amx_values =
+        rows >= kAmxMinRows && amx_values_apply(config, format, args.params.p_mode, d);
+    paths.dot_format = !paths.exact && bf16_dot_applies(config, format, QMode::bf16, d);
+    paths.amx_scores = paths.dot_format && amx_scores_apply(config, format, rows, d);
   }
 #endif
 #if MJOLNIR_INT8_DOT
@@ -104,6 +102,24 @@ inline ScorePath HeadScorePath(const UnitPaths& paths, QMode q_mode, const float
     return paths.amx_scores ? ScorePath::amx : ScorePath::bf16_dot;
   }
   return paths.exact ? ScorePath::exact : ScorePath::fast;
+}
+
+// Counts a head's work item by its score path (KernelScratch::counts, for tests).
+inline void CountPath(ScorePath path, KernelPathCounts& counts) {
+  switch (path) {
+    case ScorePath::bf16_dot:
+      ++counts.bf16_dot;
+      return;
+    case ScorePath::amx:
+      ++counts.amx_scores;
+      return;
+    case ScorePath::int8:
+      ++counts.int8_dot;
+      return;
+    case ScorePath::fast:
+    case ScorePath::exact:
+      return;
+  }
 }
 
 // Where the int8 path keeps each row's starting sum: after Q's [R][D] bytes, 64-byte aligned,
@@ -143,7 +159,6 @@ void PrepareHeadQuery(HeadState& hs, const float* HWY_RESTRICT qn, float score_s
   switch (hs.path) {
     case ScorePath::int8:  // signed bytes in the decoder's channel order, and each row's start
 #if MJOLNIR_INT8_DOT
-      g_int8_dot_items.fetch_add(1, std::memory_order_relaxed);
       VisitIntDecoder(it.args->cache.geometry.format, [&]<class Int>() {
         PrepareInt8Query<Int>(qn, it.rows, d, reinterpret_cast<std::int8_t*>(hs.q),
                               Int8Starts(hs.q, it.rows, it.d));
@@ -153,14 +168,12 @@ void PrepareHeadQuery(HeadState& hs, const float* HWY_RESTRICT qn, float score_s
       return;
     case ScorePath::bf16_dot:
     case ScorePath::amx:  // bf16 words in the dot decoder's channel order, true values
-      g_bf16_dot_items.fetch_add(1, std::memory_order_relaxed);
 #if MJOLNIR_BF16_DOT
       if constexpr (!std::is_void_v<DotOf<Decoder>>) {
         auto* words = reinterpret_cast<std::uint16_t*>(hs.q);
         PrepareDotQuery<DotOf<Decoder>>(qn, it.rows, d, it.ld, words);
         if (hs.path == ScorePath::amx) {
           PrepareAmxQuery(words, 2 * it.ld, it.rows, d, hs.q_tiles);
-          count_amx_item();
         }
       }
 #endif

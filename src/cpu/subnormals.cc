@@ -1,7 +1,5 @@
 #include "cpu/subnormals.h"
 
-#include <atomic>
-#include <cstdlib>
 #include <cstring>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -25,22 +23,10 @@ bool intel_cpu() {
 #endif
 }
 
-std::atomic<int> g_override{-1};  // -1: none, else the answer
-
 }  // namespace
 
-void set_fp32_subnormals_slow(std::optional<bool> slow) {
-  g_override.store(slow.has_value() ? int(*slow) : -1, std::memory_order_relaxed);
-}
-
 bool fp32_subnormals_are_slow() {
-  if (const int forced = g_override.load(std::memory_order_relaxed); forced >= 0) return forced;
-  static const bool slow = [] {
-    if (const char* env = std::getenv("MJOLNIR_CPU_AVOID_SUBNORMALS"); env != nullptr && *env) {
-      return std::strcmp(env, "0") != 0;
-    }
-    return intel_cpu();
-  }();
+  static const bool slow = intel_cpu();
   return slow;
 }
 

@@ -29,7 +29,6 @@
 
 #include "core/minifloat.h"
 #include "cpu/kv_decode-inl.h"
-#include "cpu/subnormals.h"
 #include "hwy/highway.h"
 #include "mjolnir/format.h"
 
@@ -283,8 +282,10 @@ struct DecodeViaWords {
 // rows have whole 64-channel chunks (head_dim % 64 == 0), else VisitDecoder's. (e2m1 and nvfp4
 // keep kv_decode-inl.h's, which on AVX-512 look nibbles up as true values with vpermps, 2 ops a
 // vector as through the words, and ran as fast: kernel_rates A/B, 3 rounds, within 2-5%.)
+// These never make an fp32 subnormal, so avoid_subnormals changes nothing here.
 template <class Visitor>
-HWY_INLINE decltype(auto) VisitKernelDecoder(Format format, std::size_t head_dim, Visitor&& visit) {
+HWY_INLINE decltype(auto) VisitKernelDecoder(Format format, std::size_t head_dim,
+                                             bool /*avoid_subnormals*/, Visitor&& visit) {
   if (head_dim % kDotChunk == 0) {
     switch (format) {
       case Format::fp8_e4m3:
@@ -308,18 +309,19 @@ HWY_INLINE decltype(auto) VisitKernelDecoder(Format format, std::size_t head_dim
 #elif !MJOLNIR_PORTABLE_TARGET
 #define MJOLNIR_BF16_WORDS 0
 
-// VisitDecoder's choice, except where the CPU's subnormal FMAs are slow: then fp6 on AVX2 goes
-// through fp16 (DecodeFp6Half) and every placed format on SSE4 is lifted (DecodeLifted), which
-// never make an fp32 subnormal.
+// VisitDecoder's choice, except with avoid_subnormals (KernelConfig::avoid_fp32_subnormals, where
+// the CPU's subnormal FMAs are slow): then fp6 on AVX2 goes through fp16 (DecodeFp6Half) and
+// every placed format on SSE4 is lifted (DecodeLifted), which never make an fp32 subnormal.
 template <class Visitor>
-HWY_INLINE decltype(auto) VisitKernelDecoder(Format format, std::size_t, Visitor&& visit) {
+HWY_INLINE decltype(auto) VisitKernelDecoder(Format format, std::size_t, bool avoid_subnormals,
+                                             Visitor&& visit) {
 #if MJOLNIR_FP6_HALF
-  if (fp32_subnormals_are_slow()) {
+  if (avoid_subnormals) {
     if (format == Format::fp6_e2m3) return visit.template operator()<DecodeFp6Half<2>>();
     if (format == Format::fp6_e3m2) return visit.template operator()<DecodeFp6Half<3>>();
   }
 #elif MJOLNIR_LIFTED_DECODERS
-  if (fp32_subnormals_are_slow()) {
+  if (avoid_subnormals) {
     switch (format) {
       case Format::fp8_e4m3:
         return visit.template operator()<DecodeLifted<DecodeE4M3>>();

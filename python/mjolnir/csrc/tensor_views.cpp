@@ -384,6 +384,8 @@ const Backend& backend_for(const at::Device& device, std::string_view backend,
       options.threads = int(threads);
     }
     try {
+      // MJOLNIR_CPU_BF16_DOT / _AMX / _AVOID_SUBNORMALS, as for the CLI (docs/python.md).
+      options.cpu_kernels = cpu_kernel_options_from_environment();
       slot = make_backend(name, options);
     } catch (const Error& e) {
       backends.erase({name, threads});

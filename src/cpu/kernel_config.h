@@ -1,0 +1,41 @@
+// The CPU kernel's variants for one backend, and the work each of its paths ran.
+//
+// A backend resolves its CpuKernelOptions against what this CPU executes once, when it is made
+// (cpu_backend.cc); the kernel, auto_modes and `mjolnir info` read the result, never the
+// environment. Each backend counts the work items its paths ran, so a test can check which path
+// a step took on the backend it made (kernel_path_counts in cpu_backend.h).
+#pragma once
+
+#include <cstdint>
+
+#include "mjolnir/decode.h"
+
+namespace mjolnir::cpu {
+
+struct KernelConfig {
+  bool bf16_dot = false;  // asked for, and the dispatched target and the CPU have them
+  bool amx = false;       // asked for, with the dot products, and the CPU grants the tiles
+  // Decoders that never make an fp32 subnormal (word_decoders-inl.h, VisitKernelDecoder).
+  bool avoid_fp32_subnormals = false;
+};
+
+// The variants of `options` this CPU runs.
+KernelConfig resolve_kernel_config(const CpuKernelOptions& options);
+
+// Work items (one KV head's rows against a token range) by the path they took.
+struct KernelPathCounts {
+  std::uint64_t bf16_dot = 0;    // Q . K on the bf16 dot products
+  std::uint64_t amx_scores = 0;  // Q . K on AMX tiles
+  std::uint64_t amx_values = 0;  // P . V on AMX tiles
+  std::uint64_t int8_dot = 0;    // Q . K in integers
+
+  KernelPathCounts& operator+=(const KernelPathCounts& other) {
+    bf16_dot += other.bf16_dot;
+    amx_scores += other.amx_scores;
+    amx_values += other.amx_values;
+    int8_dot += other.int8_dot;
+    return *this;
+  }
+};
+
+}  // namespace mjolnir::cpu
