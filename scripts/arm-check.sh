@@ -90,7 +90,7 @@ MJOLNIR_TEST_QUICK=1 MJOLNIR_TEST_CASE_EVERY=3 ctest --test-dir build-arm64 --ou
 
 # The Highway targets whose kernel tests ran (test_cpu_kernels instantiates every compiled
 # target that qemu's CPU supports; qemu -cpu max has NEON, SVE and SVE2).
-targets=$(grep -E 'CpuKernel.*Passed' "$log" | sed -E 's|.*CpuKernel[A-Za-z]*\.[A-Za-z0-9]+/([A-Z0-9_]+) .*|\1|' |
+targets=$(grep -E 'CpuKernel[A-Za-z]*\.[A-Za-z0-9]+/[A-Z0-9_]+ .*Passed' "$log" | sed -E 's|.*CpuKernel[A-Za-z]*\.[A-Za-z0-9]+/([A-Z0-9_]+) .*|\1|' |
   awk '!seen[$0]++' | tr '\n' ' ')
 echo "arm-check.sh: Highway targets exercised by test_cpu_kernels under qemu: ${targets:-none}"
 exit "$status"
