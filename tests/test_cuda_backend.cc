@@ -26,8 +26,8 @@
 #include <random>
 #include <span>
 
-#include "cuda/cuda_backend.h"
 #include "bench/cuda_bench.h"
+#include "cuda/cuda_backend.h"
 #include "cuda/cuda_decode.h"
 #include "non_finite_cases.h"
 #include "reference/emulator_backend.h"

@@ -291,7 +291,8 @@ Limit measure_limit(bool on_gpu, int threads) {
                    {"fma_peak_gflops", fma_gflops},
                    {"cpu", cpu_model_name()},
                    {"simd_target", cpu::dispatched_simd_target()},
-                   {"bf16_dot_products", cpu::kernel_config(*make_host_backend("cpu")).bf16_dot},
+                   {"bf16_dot_products",
+                    cpu::resolve_kernel_config(cpu_kernel_options_from_environment()).bf16_dot},
                    {"threads", threads},
                    {"llc_bytes", llc},
                    {"transparent_huge_pages", huge_pages}};

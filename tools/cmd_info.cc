@@ -11,9 +11,8 @@
 #include "core/gpu_devices.h"
 #include "cpu/amx.h"
 #include "cpu/attention_kernel.h"
-#include "cpu/cpu_backend.h"
+#include "cpu/kernel_config.h"
 #include "cpu/subnormals.h"
-#include "host_backend.h"
 #include "machine_info.h"
 #include "mjolnir/decode.h"
 
@@ -50,7 +49,8 @@ int run_info() {
               hardware_threads(), format_bytes(cpu::last_level_cache_bytes()).c_str());
   // The kernel variants the cpu backend takes here: this CPU's, less what the environment turns
   // off (cpu_kernel_options_from_environment).
-  const cpu::KernelConfig kernels = cpu::kernel_config(*make_host_backend("cpu"));
+  const cpu::KernelConfig kernels =
+      cpu::resolve_kernel_config(cpu_kernel_options_from_environment());
   std::printf("bf16 dot products (Q . K with Q in bf16 or fp8): %s\n",
               !cpu::cpu_has_bf16_dot() ? "no (the dispatched target or the CPU lacks AVX512_BF16)"
               : kernels.bf16_dot       ? "yes"

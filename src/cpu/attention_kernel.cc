@@ -39,10 +39,7 @@
 #include "hwy/highway.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <cstdlib>
-#include <cstring>
 #include <limits>
 #include <memory>
 #include <numbers>
@@ -51,7 +48,6 @@
 #include "core/minifloat.h"
 #include "core/non_finite.h"
 #include "core/query_codes.h"
-#include "cpu/amx.h"
 #include "cpu/attention_kernel.h"
 #include "cpu/item_context.h"
 #include "cpu/tile_prefetcher.h"

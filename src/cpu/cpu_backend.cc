@@ -9,7 +9,6 @@
 #include <numbers>
 
 #include "core/non_finite.h"
-#include "cpu/amx.h"
 #include "cpu/attention_kernel.h"
 #include "cpu/thread_pool.h"
 #include "cpu/work_units.h"

@@ -1,4 +1,4 @@
-// The fast score path (score_paths-inl.h): Q . K on fp32 FMAs over K decoded in registers, in
+// The fast score path (kernel_paths-inl.h): Q . K on fp32 FMAs over K decoded in registers, in
 // any order, for P in fp32 or bf16 where no dot product instruction applies. Q is kept in the
 // decoder's channel order times a power of two that meets K's raw decoded values, so decoding
 // needs no multiply (kv_decode-inl.h). Per-target header, see kv_decode-inl.h.

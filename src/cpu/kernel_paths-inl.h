@@ -19,7 +19,6 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "cpu/amx.h"
 #include "cpu/amx_scores-inl.h"
 #include "cpu/amx_values-inl.h"
 #include "cpu/attention_kernel.h"
@@ -35,8 +34,6 @@
 #include "cpu/tile_prefetcher.h"
 #include "hwy/highway.h"
 #include "mjolnir/decode.h"
-
-namespace mjolnir::cpu {}  // namespace mjolnir::cpu
 
 HWY_BEFORE_NAMESPACE();
 namespace mjolnir::cpu::HWY_NAMESPACE {

@@ -572,7 +572,8 @@ using DecodeE3M2 = DecodeFp6<3>;
 // SSE4 has neither F16C nor the AVX2 / AVX-512 permutes the decoders above use to stay out of the
 // subnormal range, so there every placed value goes through LiftToNormal: 8 ops more a vector,
 // against an Intel microcode assist for every FMA that meets a subnormal (fp4 and fp6 steps 100-250
-// times slower). The kernel takes these with KernelConfig::avoid_fp32_subnormals (VisitKernelDecoder).
+// times slower). The kernel takes these with KernelConfig::avoid_fp32_subnormals
+// (VisitKernelDecoder).
 #if HWY_TARGET == HWY_SSE4
 #define MJOLNIR_LIFTED_DECODERS 1
 // Dec's codes and channel order, as true values (kRawExp 0).

@@ -1,6 +1,6 @@
 // Step 1 of the numerics contract on the CPU's SIMD targets (docs/numerics.md): Q times the
 // per-channel K scales, rounded per Q mode, for all the rows of a work item, before any score
-// path prepares it for its own dot products (score_paths-inl.h). Per-target header, see
+// path prepares it for its own dot products (kernel_paths-inl.h). Per-target header, see
 // kv_decode-inl.h.
 
 #if defined(MJOLNIR_CPU_PREPARE_QUERY_INL_H_) == defined(HWY_TARGET_TOGGLE)
