@@ -165,6 +165,24 @@ def test_decode_dtypes_and_decode_into(gen):
     assert rel_err(p8.decode(), p8.reference()) < 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_rows_convert_as_torch_does(gen, dtype):
+    """The ops' own conversions of 16-bit Q and output rows (tensor_views.cpp) against torch's:
+    Q widened exactly, the output rounded to nearest even as Tensor.to rounds it, NaN included
+    (a poisoned row)."""
+    p = Problem(gen, "fp8_e4m3", "BHN2D", 2, "head")
+    args = (p.kv_cache, p.block_table, p.seq_lens, p.k_scale, p.v_scale, p.fmt, 2, "BHN2D")
+    q16 = p.q.to(dtype)
+    q16[1, 2, 5] = float("nan")  # poisons that row's outputs: NaN through the conversion
+    wide = torch.ops.mjolnir.decode(q16.float(), *args)
+    assert torch.isnan(wide[1, 2]).all() and torch.isfinite(wide[0]).all()
+    assert torch.equal(torch.ops.mjolnir.decode(q16, *args).float().nan_to_num(7.0),
+                       wide.to(dtype).float().nan_to_num(7.0))
+    out = torch.empty(q16.shape, dtype=torch.float32)
+    torch.ops.mjolnir.decode_into(out, q16, *args)
+    assert torch.equal(out.nan_to_num(7.0), wide.nan_to_num(7.0))
+
+
 def test_decode_strided_cache_and_padding(gen):
     """A cache view with gaps between pages (every other page of a bigger pool) and a padding
     request (seq_len 0) that writes zeros."""

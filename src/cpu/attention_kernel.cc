@@ -141,15 +141,16 @@ int FastPathTile(int plan_tile, int heads, std::size_t row_bytes) {
 }
 
 // Step 5 for every head of the unit: o = acc * v_scale / l, undoing the fold 2^(p_exp +
-// v_raw_exp) and the channel order (on AMX values, the tiles' channel order: channel c of O is
-// gathered from column source_of[c], fast on the Intel cores that have the tiles), and lse and
-// the stats from m and l.
+// v_raw_exp) and the channel order of the accumulators (channel c of O is gathered from column
+// source_of[c]; nullptr: the natural order), and lse and the stats from m and l. One gather per
+// vector: a scalar scatter of the channels cost a short decode step (8 sequences of 16 tokens)
+// about 5% of its time.
 void WriteOutputs(const DecodeArgs& args, const WorkItem* items, int heads,
                   const HeadState* head_state, const ItemOutput* outs,
-                  const std::int32_t* channel_of, bool natural, const std::int32_t* source_of,
-                  int fold_exp) {
+                  const std::int32_t* source_of, int fold_exp) {
   const KvCacheView& cache = args.cache;
   const FloatTag df;
+  const hn::RebindToSigned<FloatTag> di;
   const int d = cache.geometry.head_dim;
   const bool channel_scales = cache.granularity == ScaleGranularity::channel;
   const float p_mode_scale = args.params.p_mode == PMode::fp8 ? 256.0f : 1.0f;
@@ -157,6 +158,7 @@ void WriteOutputs(const DecodeArgs& args, const WorkItem* items, int heads,
   for (int h = 0; h < heads; ++h) {
     const HeadState& hs = head_state[h];
     const int kv_head = items[h].kv_head;
+    const float* vs = channel_scales ? &cache.v_scale[std::size_t(kv_head) * d] : nullptr;
     for (int r = 0; r < hs.it.rows; ++r) {
       float* o = outs[h].o[r];
       float* lse = outs[h].lse[r];
@@ -172,27 +174,11 @@ void WriteOutputs(const DecodeArgs& args, const WorkItem* items, int heads,
       }
       const float inv_l = 1.0f / (l * p_mode_scale);
       const float* a = hs.acc + r * hs.it.ld;
-      if (source_of != nullptr) {
-        const hn::RebindToSigned<FloatTag> di;
-        const float* vs = channel_scales ? &cache.v_scale[std::size_t(kv_head) * d] : nullptr;
-        const auto f = hn::Set(df, (vs ? 1.0f : cache.v_scale_at(kv_head, 0)) * inv_l * unfold);
-        for (int c = 0; c < d; c += int(hn::Lanes(df))) {
-          const auto v = hn::GatherIndex(df, a, hn::LoadU(di, source_of + c));
-          hn::StoreU(hn::Mul(v, vs ? hn::Mul(hn::LoadU(df, vs + c), f) : f), df, o + c);
-        }
-      } else if (channel_scales) {
-        const float* vs = &cache.v_scale[std::size_t(kv_head) * d];
-        const float f = inv_l * unfold;
-        for (int i = 0; i < d; ++i) o[channel_of[i]] = a[i] * (vs[channel_of[i]] * f);
-      } else {
-        const float f = cache.v_scale_at(kv_head, 0) * inv_l * unfold;
-        if (natural) {
-          const auto vf = hn::Set(df, f);
-          for (int c = 0; c < d; c += int(hn::Lanes(df)))
-            hn::StoreU(hn::Mul(hn::Load(df, a + c), vf), df, o + c);
-        } else {
-          for (int i = 0; i < d; ++i) o[channel_of[i]] = a[i] * f;
-        }
+      const auto f = hn::Set(df, (vs ? 1.0f : cache.v_scale_at(kv_head, 0)) * inv_l * unfold);
+      for (int c = 0; c < d; c += int(hn::Lanes(df))) {
+        const auto v = source_of != nullptr ? hn::GatherIndex(df, a, hn::LoadU(di, source_of + c))
+                                            : hn::Load(df, a + c);
+        hn::StoreU(hn::Mul(v, vs ? hn::Mul(hn::LoadU(df, vs + c), f) : f), df, o + c);
       }
       if (lse != nullptr) *lse = (hs.state.m[r] + std::log2(l)) * std::numbers::ln2_v<float>;
       // The non-finite policy (core/non_finite.h): a non-finite q (flagged), score (l = NaN,
@@ -410,19 +396,23 @@ void RunUnit(const KernelConfig& config, const DecodeArgs& args, const Plan& pla
     std::swap(bases, next_bases);
   }
 
+  // Where each output channel's accumulator is: the decoder's order inverted, or the AMX
+  // value tiles' order.
+  std::int32_t inverse[256];
   const std::int32_t* source_of = nullptr;
+  if (!natural) {
+    for (int i = 0; i < d; ++i) inverse[channel_of[i]] = i;
+    source_of = inverse;
+  }
 #if MJOLNIR_AMX
   if constexpr (!std::is_void_v<DotOf<Decoder> >) {
     if (paths.amx_values) {
-      // channel_of's buffer: WriteOutputs reads channel_of only where there is no source_of.
-      std::int32_t* gather = scratch.ints(std::size_t(d));
-      for (int i = 0; i < d; ++i) gather[AmxValueChannel<DotOf<Decoder> >(i)] = i;
-      source_of = gather;
+      for (int i = 0; i < d; ++i) inverse[AmxValueChannel<DotOf<Decoder> >(i)] = i;
+      source_of = inverse;
     }
   }
 #endif
-  WriteOutputs(args, items, heads, head_state, outs, channel_of, natural, source_of,
-               p_exp + v_raw_exp);
+  WriteOutputs(args, items, heads, head_state, outs, source_of, p_exp + v_raw_exp);
 }
 
 void RunWorkUnit(const KernelConfig& config, const DecodeArgs& args, const Plan& plan,

@@ -7,6 +7,8 @@
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
+#include <bit>
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -52,15 +54,36 @@ std::size_t byte_extent(const at::Tensor& t) {
   return std::size_t(elements) * t.element_size();
 }
 
+// One row's channels to float32 and back, run for a step's Q and O rows on every call. bf16 goes
+// through its bits, branch-free, so the loops vectorize (c10::BFloat16's conversion from float
+// tests for NaN with a branch); the rounding is c10's: to nearest even, NaN as 0x7FC0
+// (test_ops.py's test_half_rows_convert_as_torch_does).
+template <class T>
+void row_to_float(const T* __restrict s, float* __restrict o, std::int64_t d) {
+  for (std::int64_t c = 0; c < d; ++c) o[c] = static_cast<float>(s[c]);
+}
+inline void row_to_float(const c10::BFloat16* __restrict s, float* __restrict o, std::int64_t d) {
+  for (std::int64_t c = 0; c < d; ++c) o[c] = std::bit_cast<float>(std::uint32_t(s[c].x) << 16);
+}
+template <class T>
+void row_from_float(const float* __restrict s, T* __restrict o, std::int64_t d) {
+  for (std::int64_t c = 0; c < d; ++c) o[c] = T(s[c]);
+}
+inline void row_from_float(const float* __restrict s, c10::BFloat16* __restrict o, std::int64_t d) {
+  for (std::int64_t c = 0; c < d; ++c) {
+    const std::uint32_t u = std::bit_cast<std::uint32_t>(s[c]);
+    const std::uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    o[c].x = (u & 0x7FFFFFFFu) > 0x7F800000u ? std::uint16_t(0x7FC0) : std::uint16_t(rounded);
+  }
+}
+
 template <class T>
 void convert_rows(const T* src, std::int64_t src_token, std::int64_t src_head, float* dst,
                   std::int64_t rows, std::int64_t heads, std::int64_t d) {
   at::parallel_for(0, rows, 64, [&](std::int64_t begin, std::int64_t end) {
     for (std::int64_t r = begin; r < end; ++r) {
       for (std::int64_t h = 0; h < heads; ++h) {
-        const T* __restrict s = src + r * src_token + h * src_head;
-        float* __restrict o = dst + (r * heads + h) * d;
-        for (std::int64_t c = 0; c < d; ++c) o[c] = static_cast<float>(s[c]);
+        row_to_float(src + r * src_token + h * src_head, dst + (r * heads + h) * d, d);
       }
     }
   });
@@ -72,9 +95,7 @@ void store_rows(const float* src, T* dst, std::int64_t dst_token, std::int64_t d
   at::parallel_for(0, rows, 64, [&](std::int64_t begin, std::int64_t end) {
     for (std::int64_t r = begin; r < end; ++r) {
       for (std::int64_t h = 0; h < heads; ++h) {
-        const float* __restrict s = src + (r * heads + h) * d;
-        T* __restrict o = dst + r * dst_token + h * dst_head;
-        for (std::int64_t c = 0; c < d; ++c) o[c] = T(s[c]);
+        row_from_float(src + (r * heads + h) * d, dst + r * dst_token + h * dst_head, d);
       }
     }
   });
