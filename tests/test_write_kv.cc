@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -225,6 +226,50 @@ TEST(WriteKv, PaddedStridesLeaveGapsUntouched) {
 }
 
 // A null pointer is fine when there is nothing to read, and an all-skipped batch writes nothing.
+// bf16 bits of a float, rounded to nearest even (the values are finite).
+std::uint16_t bf16_bits(float x) {
+  const std::uint32_t u = std::bit_cast<std::uint32_t>(x);
+  return std::uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+// A bf16 model's K and V (RowType::bf16) store exactly the bytes of their float32 widening, in
+// every format, layout and granularity, through padded strides; a non-finite bf16 value is
+// refused by its index with nothing written.
+TEST(WriteKv, Bf16RowsWriteAsTheirFloat32Widening) {
+  std::mt19937_64 rng(test_seed());
+  int case_index = 0;
+  for (Format format : kAllFormats) {
+    for (auto granularity :
+         {ScaleGranularity::tensor, ScaleGranularity::head, ScaleGranularity::channel}) {
+      const Layout layout = kAllLayouts[case_index++ % std::size(kAllLayouts)];
+      SCOPED_TRACE(std::string(to_string(format)) + " " + std::string(to_string(layout)) +
+                   " granularity " + std::to_string(int(granularity)));
+      const CacheGeometry g = small_geometry(format);
+      TestCache cache(g, layout, granularity, rng);
+      TestTokens tokens(int(kSlots.size()), g, rng);
+      std::vector<std::uint16_t> k16(tokens.k.size()), v16(tokens.v.size());
+      for (std::size_t i = 0; i < k16.size(); ++i) {
+        k16[i] = bf16_bits(tokens.k[i]);
+        v16[i] = bf16_bits(tokens.v[i]);
+        tokens.k[i] = std::bit_cast<float>(std::uint32_t(k16[i]) << 16);
+        tokens.v[i] = std::bit_cast<float>(std::uint32_t(v16[i]) << 16);
+      }
+      write_kv(cache.view, tokens.k_rows(), tokens.v_rows(), kSlots);
+      const std::vector<std::byte> from_float = cache.pool;
+      std::fill(cache.pool.begin(), cache.pool.end(), kSentinel);
+      const TokenRows k_rows{k16.data(), tokens.token_stride, tokens.head_stride, RowType::bf16};
+      TokenRows v_rows{v16.data(), tokens.token_stride, tokens.head_stride, RowType::bf16};
+      write_kv(cache.view, k_rows, v_rows, kSlots);
+      ASSERT_EQ(cache.pool, from_float);
+
+      std::fill(cache.pool.begin(), cache.pool.end(), kSentinel);
+      v16[std::size_t(3 * tokens.token_stride + tokens.head_stride + 5)] = 0x7FC0;  // NaN
+      expect_error([&] { write_kv(cache.view, k_rows, v_rows, kSlots); }, "v[3][1][5] is NaN");
+      EXPECT_TRUE(all_sentinel(cache.pool.data(), cache.pool.size()));
+    }
+  }
+}
+
 TEST(WriteKv, NoTokensAndAllSkipped) {
   std::mt19937_64 rng(test_seed() + 2);
   const CacheGeometry g = small_geometry(Format::fp8_e4m3);

@@ -8,11 +8,16 @@
 
 namespace mjolnir {
 
-// New tokens' K or V in float32: [num_tokens, Hk, D], channels contiguous, element strides.
+// The element type of TokenRows: float32, or bf16 (a bf16 model's own K and V, read as they
+// are: each value widens to float32 exactly, so the cache bytes are those of its float32 copy).
+enum class RowType { f32, bf16 };
+
+// New tokens' K or V: [num_tokens, Hk, D], channels contiguous, element strides.
 struct TokenRows {
-  const float* data = nullptr;
+  const void* data = nullptr;     // float, or bf16 bits (std::uint16_t) where type is bf16
   std::int64_t token_stride = 0;  // elements between tokens
   std::int64_t head_stride = 0;   // elements between heads
+  RowType type = RowType::f32;    // bf16: the CPU backend's write_kv; the CUDA one takes f32
 };
 
 // Per-(KV head, channel) running max of |x| (before scaling), for calibration. Each span holds

@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "core/minifloat.h"
@@ -47,10 +48,18 @@ bool AllFinite(std::span<const float> values) { return FiniteValues(values.data(
 
 using FloatTag = hn::CappedTag<float, 16>;
 
-// values[c] / scale into out[0..kGroup).
+// values[c] / scale into out[0..kGroup). A single scale of 1 (bf16 and fp16 caches, and
+// vLLM's default scales) divides nothing: x / 1 is x, and the divisions were a third of a
+// prompt's cache write.
 void ScaleGroup(const float* values, std::span<const float> scales, std::size_t first, float* out) {
   const FloatTag df;
   const std::size_t n = hn::Lanes(df);
+  if (scales.size() == 1 && scales[0] == 1.0f) {
+    for (std::size_t i = 0; i < kGroup; i += n) {
+      hn::Store(hn::LoadU(df, values + first + i), df, out + i);
+    }
+    return;
+  }
   for (std::size_t i = 0; i < kGroup; i += n) {
     const auto s = scales.size() == 1 ? hn::Set(df, scales[0]) : hn::LoadU(df, &scales[first + i]);
     hn::Store(hn::Div(hn::LoadU(df, values + first + i), s), df, out + i);
@@ -66,33 +75,56 @@ void EncodeGroup(const float* scaled, std::uint32_t* codes) {
   }
 }
 
+// Codes of 16 or 8 bits stored as they are encoded, a vector at a time (16-bit codes
+// little-endian, as the cache holds them: every target here is little-endian).
+template <MinifloatSpec kSpec>
+void EncodeWholeBytes(const float* scaled, std::byte* out) {
+  const FloatTag df;
+  const hn::RebindToUnsigned<decltype(df)> du;
+  using Code = std::conditional_t<kSpec.total_bits() == 16, std::uint16_t, std::uint8_t>;
+  const hn::RebindToSigned<decltype(du)> di;
+  const hn::Rebind<Code, decltype(du)> dc;
+  for (std::size_t i = 0; i < kGroup; i += hn::Lanes(df)) {
+    // Saturating DemoteTo from int32 is the identity on codes of 0..255 or 0..65535. (Not
+    // TruncateTo: Highway 1.0.3's u32 -> u8 TruncateTo on AVX3_DL permutes 32-bit lanes where it
+    // means bytes, and returns the wrong bytes.)
+    const auto codes =
+        hn::DemoteTo(dc, hn::BitCast(di, EncodeMinifloat<kSpec>(df, hn::Load(df, scaled + i))));
+    hn::StoreU(codes, dc, reinterpret_cast<Code*>(out + i * sizeof(Code)));
+  }
+}
+
+// Codes of 6 or 4 bits packed into the row (format.h's bit order).
+template <MinifloatSpec kSpec>
+void PackCodes(const std::uint32_t* codes, std::size_t first, std::byte* row) {
+  if constexpr (kSpec.total_bits() == 6) {
+    std::byte* out = row + first / 4 * 3;
+    for (std::size_t i = 0; i < kGroup; i += 4) {
+      const std::uint32_t word =
+          codes[i] | codes[i + 1] << 6 | codes[i + 2] << 12 | codes[i + 3] << 18;
+      out[i / 4 * 3] = std::byte(word & 0xFF);
+      out[i / 4 * 3 + 1] = std::byte((word >> 8) & 0xFF);
+      out[i / 4 * 3 + 2] = std::byte(word >> 16);
+    }
+  } else {
+    static_assert(kSpec.total_bits() == 4);
+    for (std::size_t i = 0; i < kGroup; i += 2) {
+      row[(first + i) / 2] = std::byte(codes[i] | codes[i + 1] << 4);
+    }
+  }
+}
+
 template <MinifloatSpec kSpec>
 void EncodePlain(std::span<const float> values, std::span<const float> scales, std::byte* row) {
   alignas(64) float scaled[kGroup];
   alignas(64) std::uint32_t codes[kGroup];
   for (std::size_t first = 0; first < values.size(); first += kGroup) {
     ScaleGroup(values.data(), scales, first, scaled);
-    EncodeGroup<kSpec>(scaled, codes);
-    if constexpr (kSpec.total_bits() == 16) {
-      for (std::size_t i = 0; i < kGroup; ++i) {
-        row[2 * (first + i)] = std::byte(codes[i] & 0xFF);
-        row[2 * (first + i) + 1] = std::byte(codes[i] >> 8);
-      }
-    } else if constexpr (kSpec.total_bits() == 8) {
-      for (std::size_t i = 0; i < kGroup; ++i) row[first + i] = std::byte(codes[i]);
-    } else if constexpr (kSpec.total_bits() == 6) {
-      std::byte* out = row + first / 4 * 3;
-      for (std::size_t i = 0; i < kGroup; i += 4) {
-        const std::uint32_t word =
-            codes[i] | codes[i + 1] << 6 | codes[i + 2] << 12 | codes[i + 3] << 18;
-        out[i / 4 * 3] = std::byte(word & 0xFF);
-        out[i / 4 * 3 + 1] = std::byte((word >> 8) & 0xFF);
-        out[i / 4 * 3 + 2] = std::byte(word >> 16);
-      }
+    if constexpr (kSpec.total_bits() == 16 || kSpec.total_bits() == 8) {
+      EncodeWholeBytes<kSpec>(scaled, row + first * (kSpec.total_bits() / 8));
     } else {
-      for (std::size_t i = 0; i < kGroup; i += 2) {
-        row[(first + i) / 2] = std::byte(codes[i] | codes[i + 1] << 4);
-      }
+      EncodeGroup<kSpec>(scaled, codes);
+      PackCodes<kSpec>(codes, first, row);
     }
   }
 }

@@ -4,6 +4,7 @@
 #include "mjolnir/write_kv.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -17,15 +18,24 @@
 namespace mjolnir {
 namespace {
 
+// The largest D (cache.h): a bf16 row widened on the stack.
+constexpr int kMaxHeadDim = 256;
+
 // K or V of the new tokens, with the name errors call it by.
 struct NamedRows {
   const TokenRows& rows;
   const char* name;  // "k" or "v"
   int kv;            // 0 = K, 1 = V: the cache row it goes to and the scales it divides by
 
-  // Start of the D channels of (token, head).
-  const float* at(std::int64_t token, int head) const {
-    return rows.data + token * rows.token_stride + head * rows.head_stride;
+  // The D channels of (token, head) in float32: in place, or bf16 widened into `buffer`
+  // (exact; a loop the compiler vectorizes).
+  const float* at(std::int64_t token, int head, int head_dim, float* buffer) const {
+    const std::int64_t offset = token * rows.token_stride + head * rows.head_stride;
+    if (rows.type == RowType::f32) return static_cast<const float*>(rows.data) + offset;
+    const std::uint16_t* bits = static_cast<const std::uint16_t*>(rows.data) + offset;
+    for (int c = 0; c < head_dim; ++c)
+      buffer[c] = std::bit_cast<float>(std::uint32_t(bits[c]) << 16);
+    return buffer;
   }
 };
 
@@ -37,6 +47,8 @@ void check_token_rows(const NamedRows& input, std::int64_t num_tokens, int num_k
   if (num_tokens == 0) return;  // nothing is read: an empty tensor may have a null pointer
   const TokenRows& rows = input.rows;
   MJOLNIR_REQUIRE(rows.data != nullptr, input.name, ".data: is null");
+  MJOLNIR_REQUIRE(rows.type == RowType::f32 || rows.type == RowType::bf16, input.name,
+                  ".type: ", int(rows.type), " is not a RowType");
   MJOLNIR_REQUIRE(num_kv_heads == 1 || rows.head_stride >= head_dim, input.name,
                   ".head_stride: ", rows.head_stride, " is less than head_dim ", head_dim,
                   " (head rows would overlap)");
@@ -78,10 +90,12 @@ void check_amax(const AmaxRecorder& amax, const CacheGeometry& geometry) {
 // step silently, so they are reported with their index [token][head][channel].
 void check_finite(const NamedRows& input, std::span<const std::int64_t> slot_mapping,
                   const CacheGeometry& geometry) {
+  alignas(64) float buffer[kMaxHeadDim];
   for (std::size_t token = 0; token < slot_mapping.size(); ++token) {
     if (slot_mapping[token] < 0) continue;
     for (int head = 0; head < geometry.num_kv_heads; ++head) {
-      const float* values = input.at(static_cast<std::int64_t>(token), head);
+      const float* values =
+          input.at(static_cast<std::int64_t>(token), head, geometry.head_dim, buffer);
       if (cpu::all_finite(std::span<const float>(values, std::size_t(geometry.head_dim)))) continue;
       for (int c = 0; c < geometry.head_dim; ++c) {
         if (std::isfinite(values[c])) continue;
@@ -126,6 +140,7 @@ void write_kv(const KvCacheView& cache, const TokenRows& k, const TokenRows& v,
     }
     return all.subspan(std::size_t(head) * d, d);
   };
+  alignas(64) float buffer[kMaxHeadDim];
   for (std::int64_t token = 0; token < num_tokens; ++token) {
     const std::int64_t slot = slot_mapping[static_cast<std::size_t>(token)];
     if (slot < 0) continue;  // skipped (padding), as vLLM's reshape_and_cache_flash does
@@ -133,7 +148,7 @@ void write_kv(const KvCacheView& cache, const TokenRows& k, const TokenRows& v,
     const int offset = static_cast<int>(slot % geometry.page_size);
     for (int head = 0; head < num_kv_heads; ++head) {
       for (const NamedRows& input : inputs) {
-        const float* values = input.at(token, head);
+        const float* values = input.at(token, head, head_dim, buffer);
         // SIMD, bit for bit encode_row(values / scale) (tested against it over every format).
         cpu::encode_scaled_row(
             geometry.format, std::span<const float>(values, d), row_scales(head, input.kv),

@@ -30,6 +30,9 @@ void check_token_rows(const TokenRows& rows, const char* name, int num_tokens, i
                       int head_dim) {
   if (num_tokens == 0) return;
   MJOLNIR_REQUIRE(rows.data != nullptr, name, ".data: is null");
+  MJOLNIR_REQUIRE(rows.type == RowType::f32, name,
+                  ".type: the CUDA write_kv takes float32 rows (bf16 rows are the CPU "
+                  "backend's)");
   MJOLNIR_REQUIRE(num_kv_heads == 1 || rows.head_stride >= head_dim, name,
                   ".head_stride: ", rows.head_stride, " is less than head_dim ", head_dim,
                   " (head rows would overlap)");
@@ -114,10 +117,10 @@ void enqueue_write_kv(const KvCacheView& cache, const DeviceScales& scales, cons
   p.head_dim = geo.head_dim;
   p.num_kv_heads = geo.num_kv_heads;
   p.granularity = static_cast<int>(cache.granularity);
-  p.k = k.data;
+  p.k = static_cast<const float*>(k.data);
   p.k_token_stride = k.token_stride;
   p.k_head_stride = k.head_stride;
-  p.v = v.data;
+  p.v = static_cast<const float*>(v.data);
   p.v_token_stride = v.token_stride;
   p.v_head_stride = v.head_stride;
   p.k_scale = scales.k;

@@ -310,10 +310,25 @@ void write_kv_op(const at::Tensor& key, const at::Tensor& value, at::Tensor kv_c
   }
   if (num_tokens == 0) return;
   RowScratch& scratch = row_scratch();
-  const FloatRows k32 = float_rows_in(key, num_tokens, scratch.q);
-  const FloatRows v32 = float_rows_in(value, num_tokens, scratch.o);
-  const TokenRows k_rows{k32.data, k32.token_stride, k32.head_stride};
-  const TokenRows v_rows{v32.data, v32.token_stride, v32.head_stride};
+  // A bf16 model's K and V on the CPU go to the library as they are (it widens a row at a
+  // time): converting a prompt's rows to float32 first cost as much as the write itself.
+  const auto bf16_rows = [&](const at::Tensor& t) {
+    return t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.stride(2) == 1;
+  };
+  FloatRows k32, v32;
+  TokenRows k_rows, v_rows;
+  if (bf16_rows(key)) {
+    k_rows = {key.data_ptr(), key.stride(0), key.stride(1), RowType::bf16};
+  } else {
+    k32 = float_rows_in(key, num_tokens, scratch.q);
+    k_rows = {k32.data, k32.token_stride, k32.head_stride};
+  }
+  if (bf16_rows(value)) {
+    v_rows = {value.data_ptr(), value.stride(0), value.stride(1), RowType::bf16};
+  } else {
+    v32 = float_rows_in(value, num_tokens, scratch.o);
+    v_rows = {v32.data, v32.token_stride, v32.head_stride};
+  }
   struct Release {
     RowScratch& s;
     ~Release() { s.release(); }
