@@ -7,6 +7,7 @@
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <bit>
 #include <cstdint>
 #include <map>
@@ -77,10 +78,16 @@ inline void row_from_float(const float* __restrict s, c10::BFloat16* __restrict 
   }
 }
 
+// Rows per task of a conversion: about 16K values, so that a decode step's few rows (8 sequences
+// of 32 heads) are shared by the threads too.
+std::int64_t rows_per_task(std::int64_t heads, std::int64_t d) {
+  return std::max<std::int64_t>(1, (std::int64_t(1) << 14) / std::max<std::int64_t>(1, heads * d));
+}
+
 template <class T>
 void convert_rows(const T* src, std::int64_t src_token, std::int64_t src_head, float* dst,
                   std::int64_t rows, std::int64_t heads, std::int64_t d) {
-  at::parallel_for(0, rows, 64, [&](std::int64_t begin, std::int64_t end) {
+  at::parallel_for(0, rows, rows_per_task(heads, d), [&](std::int64_t begin, std::int64_t end) {
     for (std::int64_t r = begin; r < end; ++r) {
       for (std::int64_t h = 0; h < heads; ++h) {
         row_to_float(src + r * src_token + h * src_head, dst + (r * heads + h) * d, d);
@@ -92,7 +99,7 @@ void convert_rows(const T* src, std::int64_t src_token, std::int64_t src_head, f
 template <class T>
 void store_rows(const float* src, T* dst, std::int64_t dst_token, std::int64_t dst_head,
                 std::int64_t rows, std::int64_t heads, std::int64_t d) {
-  at::parallel_for(0, rows, 64, [&](std::int64_t begin, std::int64_t end) {
+  at::parallel_for(0, rows, rows_per_task(heads, d), [&](std::int64_t begin, std::int64_t end) {
     for (std::int64_t r = begin; r < end; ++r) {
       for (std::int64_t h = 0; h < heads; ++h) {
         row_from_float(src + (r * heads + h) * d, dst + r * dst_token + h * dst_head, d);
