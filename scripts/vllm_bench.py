@@ -7,7 +7,8 @@ AVX512_BF16) through vLLM's CPU engine.
 For each configuration and (context, batch): prefill time (first token of the batch), time in
 attention during prefill steps, decode tokens/s (generated tokens after the first over the time
 they took), the process's peak RSS, and the KV capacity in tokens vLLM reports. One engine per
-process. Raw JSON to bench/results/vllm-<date>-<machine>.json; --doc docs/vllm.md re-renders the
+process, warmed up with a short batch before the cases; --rounds engines per config, the configs
+interleaved, medians reported (each round's values are kept in the JSON). Raw JSON to bench/results/vllm-<date>-<machine>.json; --doc docs/vllm.md re-renders the
 doc's tables from their files (--check: only compare, as the test suite does).
 
   build-python/venv/bin/python scripts/vllm_bench.py                 # the default set
@@ -28,6 +29,7 @@ import json
 import os
 import platform
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -154,6 +156,11 @@ def child(spec: dict) -> dict:
               kv_cache_dtype=spec["kv_cache_dtype"], disable_log_stats=False)
     cache = llm.llm_engine.vllm_config.cache_config
     capacity = (cache.num_gpu_blocks or 0) * cache.block_size
+    # Warm-up: the first steps of an engine pay one-time costs (thread pools, first
+    # allocations), which would otherwise land on the first case.
+    llm.generate([{"prompt_token_ids": list(range(1, 257))}] * spec["max_batch"],
+                 SamplingParams(max_tokens=4, temperature=0.0, detokenize=False,
+                                ignore_eos=True), use_tqdm=False)
     results = []
     for context, batch in spec["cases"]:
         prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % 1000 + 1 for j in range(context)]}
@@ -207,35 +214,66 @@ def run(args) -> dict:
                threads=os.cpu_count(), model=dict(layers=args.layers, hq=32, hk=8, d=128,
                                                   hidden=512, intermediate=1024,
                                                   block_size=32),
-               decode_tokens=args.decode_tokens, kv_cache_space_gib=args.kv_space, configs={})
+               decode_tokens=args.decode_tokens, kv_cache_space_gib=args.kv_space,
+               rounds=args.rounds, configs={})
+    names = args.configs.split(",")
+    runs = {name: [] for name in names}  # each round's result per config
     with tempfile.TemporaryDirectory() as tmp:
         model = os.path.join(tmp, "llama")
         write_model(model, args.layers, max_len)
-        for name in args.configs.split(","):
-            env_extra, kv_dtype, plugin = config_env(name)
-            spec = dict(model=model, max_len=max_len, cases=cases,
-                        max_batch=max(b for _, b in cases), decode_tokens=args.decode_tokens,
-                        kv_cache_dtype=kv_dtype, plugin=plugin)
-            env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0",
-                       VLLM_CPU_KVCACHE_SPACE=str(args.kv_space), **env_extra)
-            print(f"vllm_bench: {name} ...", flush=True)
-            proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)],
-                                  env=env, capture_output=True, text=True)
-            if proc.returncode != 0:
-                print(proc.stdout[-2000:] + proc.stderr[-6000:], file=sys.stderr)
-                out["configs"][name] = dict(error=proc.stderr.strip().splitlines()[-1:])
-                continue
-            out["configs"][name] = json.loads(proc.stdout.strip().splitlines()[-1])
-            print(json.dumps(out["configs"][name]), flush=True)
+        # Rounds interleave the configs (stock, plugin, stock, plugin, ...), so that the
+        # machine's drift over the run (shared memory bandwidth, neighbours) falls on all alike.
+        for round_index in range(args.rounds):
+            for name in names:
+                env_extra, kv_dtype, plugin = config_env(name)
+                spec = dict(model=model, max_len=max_len, cases=cases,
+                            max_batch=max(b for _, b in cases), decode_tokens=args.decode_tokens,
+                            kv_cache_dtype=kv_dtype, plugin=plugin)
+                env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0",
+                           VLLM_CPU_KVCACHE_SPACE=str(args.kv_space), **env_extra)
+                print(f"vllm_bench: round {round_index + 1}/{args.rounds}: {name} ...", flush=True)
+                proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)],
+                                      env=env, capture_output=True, text=True)
+                if proc.returncode != 0:
+                    print(proc.stdout[-2000:] + proc.stderr[-6000:], file=sys.stderr)
+                    runs[name].append(dict(error=proc.stderr.strip().splitlines()[-1:]))
+                    continue
+                runs[name].append(json.loads(proc.stdout.strip().splitlines()[-1]))
+                print(json.dumps(runs[name][-1]), flush=True)
+    for name in names:
+        out["configs"][name] = medians(runs[name])
     return out
+
+
+def medians(rounds: list) -> dict:
+    """One config's result over its rounds: each case's timings as the median over the rounds
+    (peak RSS: the largest), with every round's values kept under "rounds"."""
+    good = [r for r in rounds if "error" not in r]
+    if not good:
+        return rounds[-1]
+    result = dict(good[0])
+    result["cases"] = []
+    for i, case in enumerate(good[0]["cases"]):
+        merged = dict(case)
+        for key in ("wall_s", "prefill_s", "prefill_attention_s", "decode_tokens_per_s",
+                    "decode_attention_s"):
+            values = [r["cases"][i][key] for r in good if r["cases"][i].get(key) is not None]
+            merged[key] = statistics.median(values) if values else None
+            merged[f"{key}_rounds"] = values
+        merged["peak_rss_gib"] = max(r["cases"][i]["peak_rss_gib"] for r in good)
+        result["cases"].append(merged)
+    result["failed_rounds"] = len(rounds) - len(good)
+    return result
 
 
 def render(data: dict) -> str:
     lines = [f"vLLM CPU engine on {data['machine']} ({data['threads']} threads), "
              f"{data['date']}: random Llama, {data['model']['layers']} layers, Hq 32, Hk 8, "
              f"D 128, block 32, {data['decode_tokens']} generated tokens per request, "
-             f"VLLM_CPU_KVCACHE_SPACE={data['kv_cache_space_gib']} GiB. Ratios are against "
-             "stock vLLM on the same case in the same run.", "",
+             f"VLLM_CPU_KVCACHE_SPACE={data['kv_cache_space_gib']} GiB. "
+             + (f"Medians of {data['rounds']} rounds, the configs interleaved in each. "
+                if data.get("rounds", 1) > 1 else "")
+             + "Ratios are against stock vLLM on the same case in the same run.", "",
              "| config | context x batch | prefill s | prefill attention s (vs stock) | "
              "decode tok/s (vs stock) | peak RSS GiB | KV capacity tokens (vs stock) |",
              "|---|---|---|---|---|---|---|"]
@@ -272,6 +310,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--kv-space", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE, GiB")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="engines per config, interleaved across configs; medians reported")
     parser.add_argument("--json", help="output file (default bench/results/vllm-DATE-MACHINE.json)")
     parser.add_argument("--render", help="print the table of a results file")
     parser.add_argument("--doc", help="re-render the tables of this doc from their files")
