@@ -1,5 +1,8 @@
 // The backend registry: the one place that knows every backend. It sits above them (core knows
 // none), so adding a backend touches this file and its own folder only.
+#include <cstdlib>
+#include <string_view>
+
 #include "cpu/cpu_backend.h"
 #if MJOLNIR_HAS_CUDA
 #include "cuda/cuda_backend.h"
@@ -9,6 +12,21 @@
 #include "reference/emulator_backend.h"
 
 namespace mjolnir {
+
+CudaKernelOptions cuda_kernel_options_from_environment() {
+  CudaKernelOptions options;
+  const char* value = std::getenv("MJOLNIR_CUDA_MMA_LAYOUT");
+  const std::string_view name = value != nullptr ? value : "";
+  if (name == "plain") {
+    options.max_mma_layout = CudaMmaLayout::plain;
+  } else if (name == "stacked") {
+    options.max_mma_layout = CudaMmaLayout::stacked;
+  } else {
+    MJOLNIR_REQUIRE(name.empty() || name == "tokens_on_m", "MJOLNIR_CUDA_MMA_LAYOUT: '", name,
+                    "' is not plain, stacked or tokens_on_m");
+  }
+  return options;
+}
 
 std::vector<std::string> compiled_backends() {
   std::vector<std::string> names{"cpu", "reference"};

@@ -332,7 +332,7 @@ TEST(CudaEmulated, BodyChoice) {
   EXPECT_EQ(reason(Format::fp8_e4m3, 128, 4, PMode::fp32, 8), "rows are not aligned enough");
 }
 
-// The same cases of up to 4 query rows under each layout limit (MJOLNIR_CUDA_MMA_LAYOUT): each
+// The same cases of up to 4 query rows under each layout limit (CudaKernelOptions): each
 // layout on its own matches the emulator, so a layout that fails on a device can be told apart.
 TEST(CudaEmulated, EveryLayoutOnTheSameCases) {
   std::uint64_t seed = testing::test_seed() + 13;
@@ -370,6 +370,10 @@ TEST(CudaEmulated, LayoutChoice) {
     EXPECT_EQ(mma_layout(f, 4, plain), plain);
     EXPECT_EQ(mma_layout(f, 8, tokens_on_m), f16 ? stacked : plain);
   }
+  // The public option names the same limits.
+  EXPECT_EQ(mma_layout_limit(CudaKernelOptions{CudaMmaLayout::plain}), plain);
+  EXPECT_EQ(mma_layout_limit(CudaKernelOptions{CudaMmaLayout::stacked}), stacked);
+  EXPECT_EQ(mma_layout_limit(CudaKernelOptions{}), tokens_on_m);
 }
 
 // Sequences cut into many chunks, as a GPU plan cuts them at batch 1 (about a hundred per KV

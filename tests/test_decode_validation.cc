@@ -2,9 +2,11 @@
 // an out-of-bounds read (docs/design.md section 7).
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <functional>
 #include <limits>
 #include <string>
+#include <utility>
 
 #include "expect_error.h"
 #include "mjolnir/decode.h"
@@ -250,6 +252,27 @@ TEST(DecodeValidation, ThreadsOutOfRange) {
                         "options.threads", "outside [0, 4096]");
   testing::expect_error([] { make_backend("cpu", BackendOptions{.threads = kMaxCpuThreads + 1}); },
                         "options.threads");
+}
+
+// MJOLNIR_CUDA_MMA_LAYOUT as the CLI and the Python package read it: each layout by name, unset
+// or empty the default, anything else an error naming the variable. (Whether a CUDA backend's
+// launches keep to the limit is test_cuda_emulated.cc's EveryLayoutOnTheSameCases.)
+TEST(DecodeValidation, CudaKernelOptionsFromTheEnvironment) {
+  unsetenv("MJOLNIR_CUDA_MMA_LAYOUT");
+  EXPECT_EQ(cuda_kernel_options_from_environment().max_mma_layout, CudaMmaLayout::tokens_on_m);
+  const std::pair<const char*, CudaMmaLayout> names[] = {
+      {"plain", CudaMmaLayout::plain},
+      {"stacked", CudaMmaLayout::stacked},
+      {"tokens_on_m", CudaMmaLayout::tokens_on_m},
+      {"", CudaMmaLayout::tokens_on_m}};
+  for (const auto& [name, layout] : names) {
+    setenv("MJOLNIR_CUDA_MMA_LAYOUT", name, 1);
+    EXPECT_EQ(cuda_kernel_options_from_environment().max_mma_layout, layout) << name;
+  }
+  setenv("MJOLNIR_CUDA_MMA_LAYOUT", "Plain", 1);
+  testing::expect_error([] { cuda_kernel_options_from_environment(); },
+                        "MJOLNIR_CUDA_MMA_LAYOUT: 'Plain' is not plain, stacked or tokens_on_m");
+  unsetenv("MJOLNIR_CUDA_MMA_LAYOUT");
 }
 
 }  // namespace

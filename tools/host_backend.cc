@@ -8,6 +8,7 @@ namespace mjolnir::tools {
 
 std::unique_ptr<Backend> make_host_backend(std::string_view name, BackendOptions options) {
   options.cpu_kernels = cpu_kernel_options_from_environment();
+  options.cuda_kernels = cuda_kernel_options_from_environment();
 #if MJOLNIR_HAS_CUDA
   if (name == "cuda") return cuda::make_staging_backend(options);
 #endif

@@ -222,11 +222,29 @@ struct CpuKernelOptions {
 // make_backend. Throws Error naming the variable for a value other than 0 or 1.
 CpuKernelOptions cpu_kernel_options_from_environment();
 
+// The CUDA tensor-core body's layouts of a work item on the MMAs, in the order each serves the
+// query rows of the ones after it (docs/cuda.md): plain (up to 16 rows), stacked (up to 8),
+// tokens on M (up to 4).
+enum class CudaMmaLayout { plain, stacked, tokens_on_m };
+
+// The CUDA kernel's variants. The tensor-core body takes the best layout its step's rows allow,
+// up to max_mma_layout: plain keeps every step on the plain layout, for A/B measurements on a
+// device and as the way back should another layout misbehave there.
+struct CudaKernelOptions {
+  CudaMmaLayout max_mma_layout = CudaMmaLayout::tokens_on_m;
+};
+
+// What the environment asks for: MJOLNIR_CUDA_MMA_LAYOUT = plain, stacked or tokens_on_m sets
+// max_mma_layout (unset or empty: the default). Read by the CLI and the Python package, as
+// cpu_kernel_options_from_environment(); throws Error naming the variable for another value.
+CudaKernelOptions cuda_kernel_options_from_environment();
+
 struct BackendOptions {
   int threads = 0;  // CPU: worker threads, 0 = all cores; at most kMaxCpuThreads
   // CPU: run on this executor instead of threads of its own (threads must then be 0).
   std::shared_ptr<Executor> executor;
-  CpuKernelOptions cpu_kernels;  // CPU: the kernel variants it may take
+  CpuKernelOptions cpu_kernels;    // CPU: the kernel variants it may take
+  CudaKernelOptions cuda_kernels;  // CUDA: the kernel variants it may take
 };
 
 // "reference" (the emulator), "cpu", "cuda" (when compiled). Throws Error for unknown names, for

@@ -292,7 +292,9 @@ BenchResult bench_decode(const BenchSpec& spec) {
   args.lse = std::span<float>(reinterpret_cast<float*>(lse.data), token_rows * spec.num_q_heads);
 
   // --- plan and step buffers, as a serving loop would hold them ---
-  const auto backend = make_backend("cuda");
+  // MJOLNIR_CUDA_MMA_LAYOUT: the layout A/B of scripts/device-check.sh.
+  const CudaKernelOptions kernels = cuda_kernel_options_from_environment();
+  const auto backend = make_backend("cuda", {.cuda_kernels = kernels});
   const std::string unavailable = backend->unavailable_reason();
   MJOLNIR_REQUIRE(unavailable.empty(), "bench: ", unavailable);
   PlanOptions options;
@@ -315,7 +317,7 @@ BenchResult bench_decode(const BenchSpec& spec) {
   } else {
     constexpr const char* kLayoutNames[] = {"tensor_core", "tensor_core_stacked",
                                             "tensor_core_tokens_on_m"};
-    result.body = kLayoutNames[int(mma_layout(geometry.format, rows, mma_layout_limit_from_env()))];
+    result.body = kLayoutNames[int(mma_layout(geometry.format, rows, mma_layout_limit(kernels)))];
   }
   DecodeStep step(capacity);
   DeviceMemory workspace(decode_workspace_bytes(capacity, geometry, args.params));
@@ -344,7 +346,7 @@ BenchResult bench_decode(const BenchSpec& spec) {
     cudaGraph_t graph = nullptr;
     MJOLNIR_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
     try {
-      enqueue_decode(copy, scales.device(), step, workspace_span, stream);
+      enqueue_decode(copy, scales.device(), step, workspace_span, stream, kernels);
     } catch (...) {
       cudaStreamEndCapture(stream, &graph);
       if (graph) cudaGraphDestroy(graph);

@@ -64,7 +64,8 @@ class DeviceBuffer {
 
 class CudaBackend final : public Backend {
  public:
-  CudaBackend() {
+  explicit CudaBackend(const CudaKernelOptions& kernels)
+      : layout_limit_(mma_layout_limit(kernels)) {
     std::string why;
     const std::vector<GpuDevice> devices = cuda_devices(&why);
     if (devices.empty()) {
@@ -137,11 +138,12 @@ class CudaBackend final : public Backend {
     // sequences are not split (the Python ops failed on exactly that on an H200, 2026-12-04).
     shape.partial_slots = std::size_t(plan.partial_slots());
     launch_decode(args, DeviceScales{scales, scales + count}, step_->device_data(), workspace,
-                  shape, stream);
+                  shape, stream, layout_limit_);
     MJOLNIR_CUDA_CHECK(cudaStreamSynchronize(stream));
   }
 
  private:
+  const MmaLayout layout_limit_;  // BackendOptions::cuda_kernels
   std::string unavailable_;
   int workers_ = 1;
   int wave_workers_ = 0;
@@ -262,8 +264,8 @@ class StagingBackend final : public Backend {
 
 }  // namespace
 
-std::unique_ptr<Backend> make_cuda_backend(const BackendOptions&) {
-  return std::make_unique<CudaBackend>();
+std::unique_ptr<Backend> make_cuda_backend(const BackendOptions& options) {
+  return std::make_unique<CudaBackend>(options.cuda_kernels);
 }
 
 std::unique_ptr<Backend> make_staging_backend(const BackendOptions& options) {

@@ -118,9 +118,11 @@ std::size_t decode_workspace_bytes(const StepCapacity& capacity, const CacheGeom
 // host-device copy, no synchronization. `args` gives the device pointers (cache.data, q, o, lse)
 // and shapes; its batch and cache.k_scale / v_scale are not read (the step buffer and `scales`
 // are). q, o and lse must hold capacity.plan.max_seqs * q_len token rows (lse: that many times Hq
-// floats, or empty); rows of sequences past the uploaded batch are not written.
+// floats, or empty); rows of sequences past the uploaded batch are not written. `kernels`: the
+// variants the launch may take (BackendOptions::cuda_kernels).
 void enqueue_decode(const DecodeArgs& args, const DeviceScales& scales, const DecodeStep& step,
-                    std::span<std::byte> workspace, cudaStream_t stream);
+                    std::span<std::byte> workspace, cudaStream_t stream,
+                    const CudaKernelOptions& kernels = {});
 
 // Empty when the kernels run this configuration on the current device, otherwise why not.
 std::string unsupported_reason(const CacheGeometry& geometry, const DecodeParams& params,

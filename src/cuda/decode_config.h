@@ -6,10 +6,8 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
-#include <cstdlib>
 #include <span>
 #include <string>
-#include <string_view>
 
 #include "cuda/decode_params.h"
 #include "mjolnir/decode.h"
@@ -108,20 +106,13 @@ inline int pass_rows_for(int rows, const DecodeKernelParams& p, std::size_t limi
   return fit;
 }
 
-// The layout limit set by the environment variable MJOLNIR_CUDA_MMA_LAYOUT: "plain", "stacked"
-// or "tokens_on_m" (the default, no limit), read once. A switch for comparing the layouts on a
-// device, and a way back to the plain one should another misbehave there.
-inline MmaLayout mma_layout_limit_from_env() {
-  static const MmaLayout limit = [] {
-    const char* value = std::getenv("MJOLNIR_CUDA_MMA_LAYOUT");
-    const std::string_view name = value != nullptr ? value : "";
-    if (name.empty() || name == "tokens_on_m") return MmaLayout::tokens_on_m;
-    if (name == "stacked") return MmaLayout::stacked;
-    MJOLNIR_REQUIRE(name == "plain", "MJOLNIR_CUDA_MMA_LAYOUT: '", name,
-                    "' is not plain, stacked or tokens_on_m");
-    return MmaLayout::plain;
-  }();
-  return limit;
+// The layout limit of a backend's options (CudaKernelOptions::max_mma_layout, the public name of
+// the same order).
+inline MmaLayout mma_layout_limit(const CudaKernelOptions& options) {
+  static_assert(int(CudaMmaLayout::plain) == int(MmaLayout::plain) &&
+                int(CudaMmaLayout::stacked) == int(MmaLayout::stacked) &&
+                int(CudaMmaLayout::tokens_on_m) == int(MmaLayout::tokens_on_m));
+  return static_cast<MmaLayout>(options.max_mma_layout);
 }
 
 // The kernel parameters of one launch: pointers and shapes from `args` (cache.data, q, o, lse
@@ -135,7 +126,7 @@ inline DecodeConfig make_decode_config(const DecodeArgs& args, const float* k_sc
                                        const float* v_scale, const std::byte* step_device,
                                        std::span<std::byte> workspace, const LaunchShape& shape,
                                        std::size_t max_smem_per_block, int compute_capability,
-                                       MmaLayout layout_limit = mma_layout_limit_from_env()) {
+                                       MmaLayout layout_limit = MmaLayout::tokens_on_m) {
   const KvCacheView& cache = args.cache;
   const CacheGeometry& geo = cache.geometry;
   const DecodeParams& params = args.params;

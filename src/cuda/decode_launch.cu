@@ -144,11 +144,12 @@ DecodeBody chosen_body(const DecodeArgs& args) {
 }
 
 void launch_decode(const DecodeArgs& args, const DeviceScales& scales, const std::byte* step_device,
-                   std::span<std::byte> workspace, const LaunchShape& shape, cudaStream_t stream) {
+                   std::span<std::byte> workspace, const LaunchShape& shape, cudaStream_t stream,
+                   MmaLayout layout_limit) {
   const DeviceLimits limits = current_device_limits();
   const DecodeConfig config = make_decode_config(
       args, scales.k, scales.v, step_device, workspace, shape,
-      static_cast<std::size_t>(limits.max_smem_per_block), limits.compute_capability);
+      static_cast<std::size_t>(limits.max_smem_per_block), limits.compute_capability, layout_limit);
   if (config.body == DecodeBody::tensor_core) {
     with_mma_shape(args.cache.geometry.format, args.cache.geometry.head_dim,
                    [&]<Format kFormat, int kHeadDim>() {

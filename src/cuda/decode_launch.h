@@ -18,9 +18,11 @@ namespace mjolnir::cuda {
 // Builds the kernel parameters from `args` (device pointers: cache.data, q, o, lse; shapes) and
 // `scales`, picks the launch configuration, and launches decode then merge on `stream`.
 // `step_device` is a DecodeStep's device buffer. Throws Error for a configuration the kernels
-// cannot run (see unsupported_reason()).
+// cannot run (see unsupported_reason()). `layout_limit`: the tensor-core body's best layout
+// allowed (CudaKernelOptions::max_mma_layout).
 void launch_decode(const DecodeArgs& args, const DeviceScales& scales, const std::byte* step_device,
-                   std::span<std::byte> workspace, const LaunchShape& shape, cudaStream_t stream);
+                   std::span<std::byte> workspace, const LaunchShape& shape, cudaStream_t stream,
+                   MmaLayout layout_limit = MmaLayout::tokens_on_m);
 
 // The CTA body launch_decode() runs for these arguments on the current device.
 DecodeBody chosen_body(const DecodeArgs& args);

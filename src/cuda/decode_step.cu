@@ -168,7 +168,8 @@ std::size_t decode_workspace_bytes(const StepCapacity& capacity, const CacheGeom
 }
 
 void enqueue_decode(const DecodeArgs& args, const DeviceScales& scales, const DecodeStep& step,
-                    std::span<std::byte> workspace, cudaStream_t stream) {
+                    std::span<std::byte> workspace, cudaStream_t stream,
+                    const CudaKernelOptions& kernels) {
   const StepCapacity& capacity = step.capacity();
   const CacheGeometry& geo = args.cache.geometry;
   const DecodeParams& params = args.params;
@@ -207,7 +208,8 @@ void enqueue_decode(const DecodeArgs& args, const DeviceScales& scales, const De
   shape.merge_ctas = capacity.max_merges(params.q_len * (params.num_q_heads / geo.num_kv_heads));
   shape.score_tokens = capacity.max_tile_tokens;
   shape.partial_slots = std::size_t(max_seqs) * capacity.plan.max_splits;
-  launch_decode(args, scales, step.device_data(), workspace, shape, stream);
+  launch_decode(args, scales, step.device_data(), workspace, shape, stream,
+                mma_layout_limit(kernels));
 }
 
 }  // namespace mjolnir::cuda

@@ -412,8 +412,10 @@ const Backend& backend_for(const at::Device& device, std::string_view backend,
       options.threads = int(threads);
     }
     try {
-      // MJOLNIR_CPU_BF16_DOT / _AMX / _AVOID_SUBNORMALS, as for the CLI (docs/python.md).
+      // MJOLNIR_CPU_BF16_DOT / _AMX / _AVOID_SUBNORMALS and MJOLNIR_CUDA_MMA_LAYOUT, as for
+      // the CLI (docs/python.md).
       options.cpu_kernels = cpu_kernel_options_from_environment();
+      options.cuda_kernels = cuda_kernel_options_from_environment();
       slot = make_backend(name, options);
     } catch (const Error& e) {
       backends.erase({name, threads});
