@@ -265,6 +265,8 @@ TEST(WriteKv, Bf16RowsWriteAsTheirFloat32Widening) {
       std::fill(cache.pool.begin(), cache.pool.end(), kSentinel);
       v16[std::size_t(3 * tokens.token_stride + tokens.head_stride + 5)] = 0x7FC0;  // NaN
       expect_error([&] { write_kv(cache.view, k_rows, v_rows, kSlots); }, "v[3][1][5] is NaN");
+      k16[std::size_t(8 * tokens.token_stride + 63)] = 0xFF80;  // -Inf, checked before V
+      expect_error([&] { write_kv(cache.view, k_rows, v_rows, kSlots); }, "k[8][0][63] is -Inf");
       EXPECT_TRUE(all_sentinel(cache.pool.data(), cache.pool.size()));
     }
   }

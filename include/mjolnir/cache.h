@@ -32,13 +32,17 @@ struct CacheStrides {
   std::int64_t kv = 0;
 };
 
+// The largest head size a cache holds (CacheGeometry::head_dim): buffers of one row's channels
+// can live on the stack.
+inline constexpr int kMaxHeadDim = 256;
+
 // The shape of the cache, with no memory attached.
 struct CacheGeometry {
   Format format = Format::fp8_e4m3;
   int num_pages = 0;     // pages in the pool
   int page_size = 16;    // tokens per page: a power of two in [8, 256]
   int num_kv_heads = 0;  // Hk
-  int head_dim = 128;    // D: a multiple of 32 in [32, 256]
+  int head_dim = 128;    // D: a multiple of 32 in [32, kMaxHeadDim]
 
   std::size_t row_bytes() const { return mjolnir::row_bytes(format, head_dim); }
 };

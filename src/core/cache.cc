@@ -55,8 +55,8 @@ void validate_geometry(const CacheGeometry& geometry, std::string_view name) {
   MJOLNIR_REQUIRE(page_size >= 8 && page_size <= 256 && (page_size & (page_size - 1)) == 0, name,
                   ".page_size: ", page_size, " is not a power of two in [8, 256]");
   const int head_dim = geometry.head_dim;
-  MJOLNIR_REQUIRE(head_dim >= 32 && head_dim <= 256 && head_dim % 32 == 0, name,
-                  ".head_dim: ", head_dim, " is not a multiple of 32 in [32, 256]");
+  MJOLNIR_REQUIRE(head_dim >= 32 && head_dim <= kMaxHeadDim && head_dim % 32 == 0, name,
+                  ".head_dim: ", head_dim, " is not a multiple of 32 in [32, ", kMaxHeadDim, "]");
   MJOLNIR_REQUIRE(geometry.num_kv_heads >= 1, name, ".num_kv_heads: ", geometry.num_kv_heads,
                   " is less than 1");
   MJOLNIR_REQUIRE(geometry.num_pages >= 1, name, ".num_pages: ", geometry.num_pages,

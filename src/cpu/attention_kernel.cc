@@ -398,7 +398,7 @@ void RunUnit(const KernelConfig& config, const DecodeArgs& args, const Plan& pla
 
   // Where each output channel's accumulator is: the decoder's order inverted, or the AMX
   // value tiles' order.
-  std::int32_t inverse[256];
+  std::int32_t inverse[kMaxHeadDim];
   const std::int32_t* source_of = nullptr;
   if (!natural) {
     for (int i = 0; i < d; ++i) inverse[channel_of[i]] = i;

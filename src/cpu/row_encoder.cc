@@ -49,8 +49,7 @@ bool AllFinite(std::span<const float> values) { return FiniteValues(values.data(
 using FloatTag = hn::CappedTag<float, 16>;
 
 // values[c] / scale into out[0..kGroup). A single scale of 1 (bf16 and fp16 caches, and
-// vLLM's default scales) divides nothing: x / 1 is x, and the divisions were a third of a
-// prompt's cache write.
+// vLLM's default scales) is not divided by: x / 1 is x.
 void ScaleGroup(const float* values, std::span<const float> scales, std::size_t first, float* out) {
   const FloatTag df;
   const std::size_t n = hn::Lanes(df);

@@ -18,24 +18,44 @@
 namespace mjolnir {
 namespace {
 
-// The largest D (cache.h): a bf16 row widened on the stack.
-constexpr int kMaxHeadDim = 256;
-
 // K or V of the new tokens, with the name errors call it by.
 struct NamedRows {
   const TokenRows& rows;
   const char* name;  // "k" or "v"
   int kv;            // 0 = K, 1 = V: the cache row it goes to and the scales it divides by
 
-  // The D channels of (token, head) in float32: in place, or bf16 widened into `buffer`
-  // (exact; a loop the compiler vectorizes).
+  std::int64_t offset(std::int64_t token, int head) const {
+    return token * rows.token_stride + head * rows.head_stride;
+  }
+  const std::uint16_t* bf16_bits(std::int64_t token, int head) const {
+    return static_cast<const std::uint16_t*>(rows.data) + offset(token, head);
+  }
+
+  // The D channels of (token, head) in float32: in place, or bf16 widened into `buffer` (of
+  // kMaxHeadDim floats; exact, a loop the compiler vectorizes).
   const float* at(std::int64_t token, int head, int head_dim, float* buffer) const {
-    const std::int64_t offset = token * rows.token_stride + head * rows.head_stride;
-    if (rows.type == RowType::f32) return static_cast<const float*>(rows.data) + offset;
-    const std::uint16_t* bits = static_cast<const std::uint16_t*>(rows.data) + offset;
-    for (int c = 0; c < head_dim; ++c)
+    if (rows.type == RowType::f32)
+      return static_cast<const float*>(rows.data) + offset(token, head);
+    const std::uint16_t* bits = bf16_bits(token, head);
+    for (int c = 0; c < head_dim; ++c) {
       buffer[c] = std::bit_cast<float>(std::uint32_t(bits[c]) << 16);
+    }
     return buffer;
+  }
+
+  // Whether the D channels of (token, head) are all finite. bf16 rows are tested on their bits
+  // (an exponent of all ones is Inf or NaN), without the widening at() does for the write.
+  bool finite(std::int64_t token, int head, int head_dim) const {
+    if (rows.type == RowType::f32) {
+      return cpu::all_finite(std::span<const float>(
+          static_cast<const float*>(rows.data) + offset(token, head), std::size_t(head_dim)));
+    }
+    const std::uint16_t* bits = bf16_bits(token, head);
+    std::int16_t exponent = 0;  // the largest exponent field: a max the compiler vectorizes
+    for (int c = 0; c < head_dim; ++c) {
+      exponent = std::max(exponent, std::int16_t(bits[c] & 0x7F80u));
+    }
+    return exponent != 0x7F80;
   }
 };
 
@@ -90,13 +110,13 @@ void check_amax(const AmaxRecorder& amax, const CacheGeometry& geometry) {
 // step silently, so they are reported with their index [token][head][channel].
 void check_finite(const NamedRows& input, std::span<const std::int64_t> slot_mapping,
                   const CacheGeometry& geometry) {
-  alignas(64) float buffer[kMaxHeadDim];
   for (std::size_t token = 0; token < slot_mapping.size(); ++token) {
     if (slot_mapping[token] < 0) continue;
     for (int head = 0; head < geometry.num_kv_heads; ++head) {
+      if (input.finite(static_cast<std::int64_t>(token), head, geometry.head_dim)) continue;
+      alignas(64) float buffer[kMaxHeadDim];
       const float* values =
           input.at(static_cast<std::int64_t>(token), head, geometry.head_dim, buffer);
-      if (cpu::all_finite(std::span<const float>(values, std::size_t(geometry.head_dim)))) continue;
       for (int c = 0; c < geometry.head_dim; ++c) {
         if (std::isfinite(values[c])) continue;
         detail::throw_error(input.name, "[", token, "][", head, "][", c, "] is ",

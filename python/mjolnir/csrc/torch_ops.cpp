@@ -312,23 +312,17 @@ void write_kv_op(const at::Tensor& key, const at::Tensor& value, at::Tensor kv_c
   RowScratch& scratch = row_scratch();
   // A bf16 model's K and V on the CPU go to the library as they are (it widens a row at a
   // time): converting a prompt's rows to float32 first cost as much as the write itself.
-  const auto bf16_rows = [&](const at::Tensor& t) {
-    return t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.stride(2) == 1;
+  // `rows32` keeps a float32 copy (a device tensor's) alive for the call.
+  const auto token_rows = [&](const at::Tensor& t, FloatScratch& s, FloatRows& rows32) {
+    if (t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.stride(2) == 1) {
+      return TokenRows{t.data_ptr(), t.stride(0), t.stride(1), RowType::bf16};
+    }
+    rows32 = float_rows_in(t, num_tokens, s);
+    return TokenRows{rows32.data, rows32.token_stride, rows32.head_stride};
   };
   FloatRows k32, v32;
-  TokenRows k_rows, v_rows;
-  if (bf16_rows(key)) {
-    k_rows = {key.data_ptr(), key.stride(0), key.stride(1), RowType::bf16};
-  } else {
-    k32 = float_rows_in(key, num_tokens, scratch.q);
-    k_rows = {k32.data, k32.token_stride, k32.head_stride};
-  }
-  if (bf16_rows(value)) {
-    v_rows = {value.data_ptr(), value.stride(0), value.stride(1), RowType::bf16};
-  } else {
-    v32 = float_rows_in(value, num_tokens, scratch.o);
-    v_rows = {v32.data, v32.token_stride, v32.head_stride};
-  }
+  const TokenRows k_rows = token_rows(key, scratch.q, k32);
+  const TokenRows v_rows = token_rows(value, scratch.o, v32);
   struct Release {
     RowScratch& s;
     ~Release() { s.release(); }
