@@ -24,9 +24,11 @@
 #include <cstring>
 #include <initializer_list>
 #include <random>
+#include <string>
 #include <type_traits>
 #include <vector>
 
+#include "bf16_rows_check.h"
 #include "core/minifloat.h"
 #include "cpu/amx.h"
 #include "cpu/attention_kernel.h"
@@ -916,6 +918,58 @@ TEST_P(CpuKernelMatrix, FewChunksCutForThreadsMatchEmulator) {
               << "threads " << threads << " " << c.name() << ": " << r.message;
         }
       }
+    }
+  }
+}
+
+// A bf16 model's Q and O as bf16 rows (bf16_rows_check.h): O is exactly the float32 step's O
+// rounded, on this target's kernel, through every way a row is written: by the kernel itself
+// (unsplit items), from split partials and from token parts (the backend's merges), in a ragged
+// step, from 8 query rows (AMX where the CPU has it), and for a NaN query row.
+TEST_P(CpuKernelMatrix, Bf16QueryAndOutputRowsAreTheFloat32StepRounded) {
+  const auto backend = make_backend("cpu", BackendOptions{.threads = 2});
+  std::mt19937_64 rng(mjolnir::testing::test_seed() + 41);
+  int index = 0;
+  for (Format format : kAllFormats) {
+    for (int variant = 0; variant < 4; ++variant, ++index) {
+      if (!runs_case(std::size_t(index))) continue;
+      verify::ProblemSpec s;
+      s.format = format;
+      s.layout = kAllLayouts[index % 6];
+      s.head_dim = 64 + 64 * (index % 2);
+      s.num_kv_heads = 2;
+      s.group = 1 + index % 4;
+      s.granularity = ScaleGranularity(index % 3);
+      s.params.q_mode = QMode(index % 4);
+      s.params.p_mode = PMode(index % 3);
+      s.seed = rng();
+      mjolnir::PlanOptions options;
+      switch (variant) {
+        case 0:  // unsplit items write O themselves; a padding sequence
+          s.params.q_len = 2;
+          s.seq_lens = {37, 0, 130};
+          options.max_splits = 1;
+          break;
+        case 1:  // split query tiles, merged from their partials
+          s.seq_lens = {700, 300};
+          options.fixed_splits = 3;
+          break;
+        case 2:  // one chunk for two threads: token parts, merged (P in fp32)
+          s.params.p_mode = PMode::fp32;
+          s.seq_lens = {900};
+          options.max_splits = 1;
+          break;
+        default:  // a ragged step (a prompt and a decode token) with 8 query rows per item
+          s.params.q_len = 0;
+          s.group = 8;
+          s.seq_lens = {40, 90};
+          s.query_lens = {40, 1};
+          break;
+      }
+      const std::string name =
+          std::string(to_string(format)) + " variant " + std::to_string(variant) + " q " +
+          std::string(to_string(s.params.q_mode)) + " p " + std::string(to_string(s.params.p_mode));
+      mjolnir::testing::check_bf16_rows(*backend, s, options, name, variant == 0 ? 1 : -1);
     }
   }
 }

@@ -140,6 +140,8 @@ TEST(DecodeValidation, QueryAndOutputTensors) {
   expect_rejected([](DecodeArgs& a) { a.o.head_stride = 10; }, "o.head_stride");
   expect_rejected([](DecodeArgs& a) { a.q.token_stride = 64; }, "q.token_stride");
   expect_rejected([](DecodeArgs& a) { a.lse = a.lse.first(3); }, "lse");
+  expect_rejected([](DecodeArgs& a) { a.q.type = RowType(7); }, "q.type");
+  expect_rejected([](DecodeArgs& a) { a.o.type = RowType(2); }, "o.type");
 }
 
 TEST(DecodeValidation, BadSoftmaxScale) {

@@ -13,6 +13,7 @@
 
 #include "mjolnir/cache.h"
 #include "mjolnir/plan.h"
+#include "mjolnir/rows.h"
 
 namespace mjolnir {
 
@@ -51,18 +52,23 @@ struct DecodeParams {
   int item_q_len() const { return q_len > 0 ? q_len : kQueryTileTokens; }
 };
 
-// Query rows [query tokens, Hq, D] in float32, D contiguous: row b * q_len + t holds token t of
-// sequence b (query_start[b] + t in a ragged step; DecodeArgs::query_row).
+// Query rows [query tokens, Hq, D], D contiguous, in float32 or bf16 (mjolnir/rows.h): row
+// b * q_len + t holds token t of sequence b (query_start[b] + t in a ragged step;
+// DecodeArgs::query_row). A bf16 Q is its float32 widening; the CPU and reference backends take
+// it, the CUDA backend takes float32.
 struct QueryTensor {
-  const float* data = nullptr;
+  const void* data = nullptr;     // float, or bf16 bits (std::uint16_t) where type is bf16
   std::int64_t token_stride = 0;  // elements
   std::int64_t head_stride = 0;   // elements
+  RowType type = RowType::f32;
 };
-// Output rows, same shape and convention as QueryTensor.
+// Output rows, same shape and convention as QueryTensor. A bf16 O is the float32 O rounded to
+// nearest even, bit for bit (a NaN row is 0x7FC0).
 struct OutputTensor {
-  float* data = nullptr;
+  void* data = nullptr;
   std::int64_t token_stride = 0;
   std::int64_t head_stride = 0;
+  RowType type = RowType::f32;
 };
 
 // Everything one decode step reads and writes.
@@ -93,15 +99,24 @@ struct DecodeArgs {
                                      : std::int64_t(batch.query_start.back());
   }
   // Query row r = t * g + j of `item` (token q_begin + t of its sequence, head j of its KV
-  // head's group): its row of q and o, and its LSE entry (null when lse is not wanted).
-  const float* q_row(const WorkItem& item, int r, int g) const {
-    return q.data + query_row(item.seq, item.q_begin + r / g) * q.token_stride +
-           std::int64_t(item.kv_head * g + r % g) * q.head_stride;
+  // head's group): its row of q and o (elements of q.type and o.type), and its LSE entry (null
+  // when lse is not wanted).
+  const void* q_row(const WorkItem& item, int r, int g) const {
+    return static_cast<const std::byte*>(q.data) +
+           element_bytes(q.type) *
+               std::size_t(query_row(item.seq, item.q_begin + r / g) * q.token_stride +
+                           std::int64_t(item.kv_head * g + r % g) * q.head_stride);
   }
-  float* o_row(const WorkItem& item, int r, int g) const {
-    return o.data + query_row(item.seq, item.q_begin + r / g) * o.token_stride +
-           std::int64_t(item.kv_head * g + r % g) * o.head_stride;
+  void* o_row(const WorkItem& item, int r, int g) const {
+    return static_cast<std::byte*>(o.data) +
+           element_bytes(o.type) *
+               std::size_t(query_row(item.seq, item.q_begin + r / g) * o.token_stride +
+                           std::int64_t(item.kv_head * g + r % g) * o.head_stride);
   }
+  // That row's D values of q as float32 (widened from bf16), and D float32 values stored into
+  // that row of o (rounded to bf16).
+  void read_q_row(const WorkItem& item, int r, int g, float* out) const;
+  void write_o_row(const WorkItem& item, int r, int g, const float* values) const;
   float* lse_at(const WorkItem& item, int r, int g) const {
     if (lse.empty()) return nullptr;
     return &lse[query_row(item.seq, item.q_begin + r / g) * params.num_q_heads + item.kv_head * g +
@@ -165,6 +180,9 @@ class Backend {
     (void)bf16_queries;
     return {};
   }
+  // Whether run() takes Q and O rows of this type (mjolnir/rows.h). Every backend takes
+  // float32; the CPU and reference backends take bf16 too, the CUDA backend does not.
+  virtual bool takes_rows(RowType type) const { return type == RowType::f32; }
   // Capacity to plan for (PlanOptions::workers).
   virtual int workers() const = 0;
   // Work items that run at once, when fewer than workers() (PlanOptions::wave_workers; 0: all

@@ -5,14 +5,13 @@
 #include <span>
 
 #include "mjolnir/cache.h"
+#include "mjolnir/rows.h"
 
 namespace mjolnir {
 
-// The element type of TokenRows: float32, or bf16 (a bf16 model's own K and V, read as they
-// are: each value widens to float32 exactly, so the cache bytes are those of its float32 copy).
-enum class RowType { f32, bf16 };
-
-// New tokens' K or V: [num_tokens, Hk, D], channels contiguous, element strides.
+// New tokens' K or V: [num_tokens, Hk, D], channels contiguous, element strides. bf16 rows (a
+// bf16 model's K and V) widen to float32 exactly, so the cache bytes are those of their float32
+// copy.
 struct TokenRows {
   const void* data = nullptr;     // float, or bf16 bits (std::uint16_t) where type is bf16
   std::int64_t token_stride = 0;  // elements between tokens

@@ -261,9 +261,15 @@ def test_plan_step_runs_every_layer(gen):
     tile = mjolnir.QUERY_TILE_TOKENS
     assert step.num_query_tiles() == sum((n + tile - 1) // tile for n in query_lens)
     rows = sum(query_lens)
-    for p, ref in ((first, ref_first), (second, ref_second), (first, ref_first)):
+    layers = ((first, ref_first), (second, ref_second), (first, ref_first))
+    for layer, (p, ref) in enumerate(layers):
         padded = torch.full((rows + 5, p.q.shape[1], p.d), float("nan"), dtype=torch.bfloat16)
         q = torch.cat([p.q, torch.randn(5, p.q.shape[1], p.d, generator=gen)]).to(torch.bfloat16)
+        if layer == 1:  # a view of a fused qkv tensor, as vLLM's query is: tokens further apart
+            qkv = torch.randn(rows + 5, (p.q.shape[1] + 4) * p.d, generator=gen).to(torch.bfloat16)
+            qkv[:, : p.q.shape[1] * p.d] = q.reshape(rows + 5, -1)
+            q = qkv[:, : p.q.shape[1] * p.d].view(rows + 5, p.q.shape[1], p.d)
+            assert not q.is_contiguous()
         torch.ops.mjolnir.attend(step, padded, q, p.kv_cache, p.k_scale, p.v_scale, p.fmt,
                                  "BHN2D")
         assert torch.isnan(padded[rows:]).all(), "wrote past the step's query rows"
@@ -271,6 +277,11 @@ def test_plan_step_runs_every_layer(gen):
                                         p.k_scale, p.v_scale, p.fmt, 0, "BHN2D",
                                         query_start=p.query_start)
         assert torch.equal(padded[:rows], once)
+        # bf16 rows go to the library as they are: exactly the float32 step, rounded by torch.
+        wide = torch.ops.mjolnir.decode(q[:rows].float(), p.kv_cache, p.block_table, p.seq_lens,
+                                        p.k_scale, p.v_scale, p.fmt, 0, "BHN2D",
+                                        query_start=p.query_start)
+        assert torch.equal(padded[:rows], wide.to(torch.bfloat16))
         assert rel_err(padded[:rows].float(), ref) < 1e-2  # bf16 queries and output
 
     with pytest.raises(ValueError, match=r"^q: shape \(3, 4, 64\), the step has"):

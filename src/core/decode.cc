@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "core/bf16_rows.h"
 #include "mjolnir/error.h"
 
 namespace mjolnir {
@@ -54,6 +55,14 @@ float DecodeParams::effective_softmax_scale(int head_dim) const {
   return softmax_scale > 0 ? softmax_scale : 1.0f / std::sqrt(static_cast<float>(head_dim));
 }
 
+void DecodeArgs::read_q_row(const WorkItem& item, int r, int g, float* out) const {
+  widen_row(q_row(item, r, g), q.type, out, std::size_t(cache.geometry.head_dim));
+}
+
+void DecodeArgs::write_o_row(const WorkItem& item, int r, int g, const float* values) const {
+  narrow_row(values, o.type, o_row(item, r, g), std::size_t(cache.geometry.head_dim));
+}
+
 PartialLayout partial_layout(const CacheGeometry& geometry, const DecodeParams& params) {
   const int g = params.num_q_heads / geometry.num_kv_heads;
   return PartialLayout{geometry.num_kv_heads, params.item_q_len() * g, geometry.head_dim};
@@ -81,7 +90,9 @@ void validate(const DecodeArgs& args) {
   const std::int64_t d = geo.head_dim;
   // [num_seqs * q_len, Hq, D] with D contiguous: heads inside a token row, token rows apart.
   auto check_tensor = [&](const void* data, std::int64_t token_stride, std::int64_t head_stride,
-                          const char* name) {
+                          RowType type, const char* name) {
+    MJOLNIR_REQUIRE(type == RowType::f32 || type == RowType::bf16, name, ".type: ", int(type),
+                    " is not a RowType");
     if (rows == 0) return;
     MJOLNIR_REQUIRE(data != nullptr, name, ".data: is null");
     MJOLNIR_REQUIRE(head_stride >= d, name, ".head_stride: ", head_stride,
@@ -89,10 +100,10 @@ void validate(const DecodeArgs& args) {
     const std::int64_t token_span = head_stride * (p.num_q_heads - 1) + d;
     MJOLNIR_REQUIRE(rows == 1 || token_stride >= token_span, name, ".token_stride: ", token_stride,
                     " is less than the ", token_span,
-                    " floats one token's heads span (rows would overlap)");
+                    " elements one token's heads span (rows would overlap)");
   };
-  check_tensor(args.q.data, args.q.token_stride, args.q.head_stride, "q");
-  check_tensor(args.o.data, args.o.token_stride, args.o.head_stride, "o");
+  check_tensor(args.q.data, args.q.token_stride, args.q.head_stride, args.q.type, "q");
+  check_tensor(args.o.data, args.o.token_stride, args.o.head_stride, args.o.type, "o");
   MJOLNIR_REQUIRE(args.lse.empty() || args.lse.size() == std::size_t(rows * p.num_q_heads),
                   "lse: ", args.lse.size(), " floats, expected ", rows * p.num_q_heads,
                   " ([num_seqs * q_len, Hq]) or none");

@@ -33,13 +33,11 @@ float prepare_query(const DecodeArgs& args, const WorkItem& item, int g, std::sp
   const bool channel_scales = cache.granularity == ScaleGranularity::channel;
   float amax = 0.0f;
   for (int r = 0; r < item.q_count * g; ++r) {
-    const float* q = args.q_row(item, r, g);
     float* out = &q_out[std::size_t(r) * d];
+    args.read_q_row(item, r, g, out);
     if (channel_scales) {
       const float* ks = &cache.k_scale[std::size_t(kv_head) * d];
-      for (int c = 0; c < d; ++c) out[c] = q[c] * ks[c];
-    } else {
-      std::copy(q, q + d, out);
+      for (int c = 0; c < d; ++c) out[c] *= ks[c];
     }
     poisoned[r] = !all_finite(out, d);
     if (poisoned[r]) std::fill(out, out + d, 0.0f);

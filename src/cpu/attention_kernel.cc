@@ -40,11 +40,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <numbers>
 #include <type_traits>
 
+#include "core/bf16_rows.h"
 #include "core/minifloat.h"
 #include "core/non_finite.h"
 #include "core/query_codes.h"
@@ -66,7 +68,8 @@ void RunWorkUnit(const KernelConfig&, const DecodeArgs& args, const Plan& plan,
   for (int h = 0; h < heads; ++h) {
     run_attention_item(args, plan, items[h], scratch.portable);
     for (int r = 0; r < rows; ++r) {
-      std::copy_n(&scratch.portable.o[std::size_t(r) * d], d, outs[h].o[r]);
+      narrow_row(&scratch.portable.o[std::size_t(r) * d], outs[h].o_type, outs[h].o[r],
+                 std::size_t(d));
       if (outs[h].lse[r] != nullptr) *outs[h].lse[r] = scratch.portable.lse[r];
       if (outs[h].stats != nullptr) {
         outs[h].stats[r][0] = scratch.portable.m[r];
@@ -140,11 +143,25 @@ int FastPathTile(int plan_tile, int heads, std::size_t row_bytes) {
   return std::min(tile, plan_tile);
 }
 
+// y rounded to bf16 as core/bf16_rows.h does (nearest even, NaN as 0x7FC0), stored at out.
+template <class DF, class V>
+HWY_INLINE void StoreBf16(DF df, V y, std::uint16_t* HWY_RESTRICT out) {
+  const hn::RebindToUnsigned<DF> du;
+  const hn::RebindToSigned<DF> di;
+  const hn::Rebind<std::uint16_t, DF> d16;
+  const auto u = hn::BitCast(du, y);
+  const auto odd = hn::And(hn::ShiftRight<16>(u), hn::Set(du, 1u));
+  const auto rounded = hn::ShiftRight<16>(hn::Add(hn::Add(u, hn::Set(du, 0x7FFFu)), odd));
+  const auto bits = hn::IfThenElse(hn::RebindMask(du, hn::IsNaN(y)), hn::Set(du, 0x7FC0u), rounded);
+  // A saturating demotion of values below 2^16: the identity (see row_encoder.cc on TruncateTo).
+  hn::StoreU(hn::DemoteTo(d16, hn::BitCast(di, bits)), d16, out);
+}
+
 // Step 5 for every head of the unit: o = acc * v_scale / l, undoing the fold 2^(p_exp +
 // v_raw_exp) and the channel order of the accumulators (channel c of O is gathered from column
 // source_of[c]; nullptr: the natural order), and lse and the stats from m and l. One gather per
 // vector: a scalar scatter of the channels cost a short decode step (8 sequences of 16 tokens)
-// about 5% of its time.
+// about 5% of its time. A bf16 O (a bf16 model's output tensor) is rounded as it is stored.
 void WriteOutputs(const DecodeArgs& args, const WorkItem* items, int heads,
                   const HeadState* head_state, const ItemOutput* outs,
                   const std::int32_t* source_of, int fold_exp) {
@@ -159,32 +176,45 @@ void WriteOutputs(const DecodeArgs& args, const WorkItem* items, int heads,
     const HeadState& hs = head_state[h];
     const int kv_head = items[h].kv_head;
     const float* vs = channel_scales ? &cache.v_scale[std::size_t(kv_head) * d] : nullptr;
+    const bool bf16 = outs[h].o_type == RowType::bf16;
     for (int r = 0; r < hs.it.rows; ++r) {
-      float* o = outs[h].o[r];
+      void* o = outs[h].o[r];
       float* lse = outs[h].lse[r];
       const float l = hs.state.l[r];
       if (outs[h].stats != nullptr) {
         outs[h].stats[r][0] = hs.state.m[r];
         outs[h].stats[r][1] = l;
       }
-      if (l == 0.0f) {
-        std::fill(o, o + d, 0.0f);
+      if (l == 0.0f) {  // the empty row: +0 in either type
+        std::memset(o, 0, std::size_t(d) * element_bytes(outs[h].o_type));
         if (lse != nullptr) *lse = kNegInf;
         continue;
       }
       const float inv_l = 1.0f / (l * p_mode_scale);
       const float* a = hs.acc + r * hs.it.ld;
       const auto f = hn::Set(df, (vs ? 1.0f : cache.v_scale_at(kv_head, 0)) * inv_l * unfold);
+      auto non_finite = hn::Zero(df);  // y - y: NaN where y is not finite
       for (int c = 0; c < d; c += int(hn::Lanes(df))) {
         const auto v = source_of != nullptr ? hn::GatherIndex(df, a, hn::LoadU(di, source_of + c))
                                             : hn::Load(df, a + c);
-        hn::StoreU(hn::Mul(v, vs ? hn::Mul(hn::LoadU(df, vs + c), f) : f), df, o + c);
+        const auto y = hn::Mul(v, vs ? hn::Mul(hn::LoadU(df, vs + c), f) : f);
+        non_finite = hn::Add(non_finite, hn::Sub(y, y));
+        if (bf16) {
+          StoreBf16(df, y, static_cast<std::uint16_t*>(o) + c);
+        } else {
+          hn::StoreU(y, df, static_cast<float*>(o) + c);
+        }
       }
       if (lse != nullptr) *lse = (hs.state.m[r] + std::log2(l)) * std::numbers::ln2_v<float>;
       // The non-finite policy (core/non_finite.h): a non-finite q (flagged), score (l = NaN,
       // hence O) or V value (O) poisons the row. Its l says so to a merge of token parts.
-      if (hs.q_poisoned[r] != 0.0f || !FiniteValues(o, std::size_t(d))) {
-        poison_row(o, std::size_t(d), lse);
+      if (hs.q_poisoned[r] != 0.0f || !hn::AllFalse(df, hn::IsNaN(non_finite))) {
+        if (bf16) {
+          std::fill_n(static_cast<std::uint16_t*>(o), d, bf16_from_float(kPoisonedRow));
+          if (lse != nullptr) *lse = kPoisonedRow;
+        } else {
+          poison_row(static_cast<float*>(o), std::size_t(d), lse);
+        }
         if (outs[h].stats != nullptr) outs[h].stats[r][1] = kPoisonedRow;
       }
     }

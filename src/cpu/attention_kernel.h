@@ -20,9 +20,11 @@
 namespace mjolnir::cpu {
 
 // Where one work item's results go: for query row r (r = t * g + j), its normalized O row
-// (D floats) and its natural-log LSE (null: not wanted).
+// (D values of o_type: float32 partials, or the step's O in its own type) and its natural-log
+// LSE (null: not wanted).
 struct ItemOutput {
-  float* const* o = nullptr;    // [rows]
+  void* const* o = nullptr;  // [rows]
+  RowType o_type = RowType::f32;
   float* const* lse = nullptr;  // [rows]
   // Optional [rows]: the row's softmax state, {m (log2 units), l}, two floats. Token parts of a
   // chunk merge from it without the rounding of the float LSE (work_units.h).

@@ -8,6 +8,7 @@
 #include <mutex>
 #include <numbers>
 
+#include "core/bf16_rows.h"
 #include "core/non_finite.h"
 #include "cpu/attention_kernel.h"
 #include "cpu/thread_pool.h"
@@ -101,6 +102,7 @@ class CpuBackend final : public Backend {
       : executor_(std::move(executor)), config_(resolve_kernel_config(kernels)) {}
 
   std::string_view name() const override { return "cpu"; }
+  bool takes_rows(RowType) const override { return true; }  // float32 and bf16
   std::string unsupported_reason(const CacheGeometry&, const DecodeParams&) const override {
     return {};
   }
@@ -164,8 +166,9 @@ class CpuBackend final : public Backend {
     float* part_o = partial_lse + layout.lse_floats(slots);
     float* part_stats = part_o + layout.o_floats(max_part_slots(threads));  // {m, l} per row
 
-    // Where item `i`'s row r goes: the output, or its split partial slot.
-    const auto destination = [&](const WorkItem& item, int r, float*& o, float*& lse) {
+    // Where item `i`'s row r goes: the output (of args.o.type), or its split partial slot
+    // (float32).
+    const auto destination = [&](const WorkItem& item, int r, void*& o, float*& lse) {
       if (item.partial_slot < 0) {
         o = args.o_row(item, r, g);
         lse = args.lse_at(item, r, g);
@@ -191,7 +194,7 @@ class CpuBackend final : public Backend {
             WorkItem& item = s.items[h];
             item.kv_begin = unit.kv_begin;
             item.kv_end = unit.kv_end;
-            float** o_rows = &s.o_rows[std::size_t(h) * rows];
+            void** o_rows = &s.o_rows[std::size_t(h) * rows];
             float** lse_rows = &s.lse_rows[std::size_t(h) * rows];
             float** stats_rows = &s.stats_rows[std::size_t(h) * rows];
             for (int r = 0; r < rows; ++r) {
@@ -203,7 +206,9 @@ class CpuBackend final : public Backend {
                 stats_rows[r] = part_stats + 2 * layout.lse_offset(unit.part_slot, item.kv_head, r);
               }
             }
-            s.outs[h] = ItemOutput{o_rows, lse_rows, unit.part_slot < 0 ? nullptr : stats_rows};
+            const bool to_output = unit.part_slot < 0 && item.partial_slot < 0;
+            s.outs[h] = ItemOutput{o_rows, to_output ? args.o.type : RowType::f32, lse_rows,
+                                   unit.part_slot < 0 ? nullptr : stats_rows};
           }
           run_work_unit(config_, args, plan, s.items.data(), unit.heads, s.kernel, s.outs.data());
         });
@@ -223,17 +228,29 @@ class CpuBackend final : public Backend {
         executor_->parallel_for(std::int64_t(tasks.size()), merge);
       }
     };
-    run_merges([&](std::int64_t index, int) {
+    // A merged row goes to a float32 destination directly, or through the worker's row to O
+    // of another type.
+    const auto merged_row = [&](int worker, bool to_output, void* o) {
+      return to_output && args.o.type != RowType::f32 ? scratch_[worker].merged_o.data()
+                                                      : static_cast<float*>(o);
+    };
+    for (int w = 0; w < threads && args.o.type != RowType::f32; ++w) {
+      scratch_[w].merged_o.resize(d);
+    }
+    run_merges([&](std::int64_t index, int worker) {
       const auto [m, h] = tasks[index];
       const PartMerge& merge = schedule_.merges[m];
       const WorkItem& item = plan.items[merge.first_item + h];
       for (int r = 0; r < item.q_count * g; ++r) {
-        float *o, *lse;
+        void* o;
+        float* lse;
         destination(item, r, o, lse);
+        float* merged = merged_row(worker, item.partial_slot < 0, o);
         merge_parts_row(part_o + layout.o_offset(merge.first_slot, item.kv_head, r),
                         part_stats + 2 * layout.lse_offset(merge.first_slot, item.kv_head, r),
-                        layout.o_offset(1, 0, 0), 2 * layout.lse_offset(1, 0, 0), merge.parts, d, o,
-                        lse);
+                        layout.o_offset(1, 0, 0), 2 * layout.lse_offset(1, 0, 0), merge.parts, d,
+                        merged, lse);
+        if (merged != o) narrow_row(merged, args.o.type, o, std::size_t(d));
       }
     });
 
@@ -244,17 +261,20 @@ class CpuBackend final : public Backend {
         for (int h = 0; h < hk; ++h) tasks.emplace_back(i, h);
       }
     }
-    run_merges([&](std::int64_t index, int) {
+    run_merges([&](std::int64_t index, int worker) {
       const auto [i, h] = tasks[index];
       const QueryTile& qt = plan.query_tiles[i];
       const WorkItem rows_of{
           .seq = qt.seq, .kv_head = h, .q_begin = qt.q_begin, .q_count = qt.q_count};
       const int first = plan.first_partial[i];
       for (int r = 0; r < qt.q_count * g; ++r) {
+        void* o = args.o_row(rows_of, r, g);
+        float* merged = merged_row(worker, true, o);
         merge_row(partial_o + layout.o_offset(first, h, r),
                   partial_lse + layout.lse_offset(first, h, r), layout.o_offset(1, 0, 0),
-                  layout.lse_offset(1, 0, 0), plan.num_splits[i], d, args.o_row(rows_of, r, g),
+                  layout.lse_offset(1, 0, 0), plan.num_splits[i], d, merged,
                   args.lse_at(rows_of, r, g));
+        if (merged != o) narrow_row(merged, args.o.type, o, std::size_t(d));
       }
     });
   }
@@ -271,8 +291,10 @@ class CpuBackend final : public Backend {
   struct WorkerScratch {
     KernelScratch kernel;
     std::vector<WorkItem> items;  // the unit's items, with the unit's token range
-    std::vector<float*> o_rows, lse_rows, stats_rows;
+    std::vector<void*> o_rows;
+    std::vector<float*> lse_rows, stats_rows;
     std::vector<ItemOutput> outs;
+    std::vector<float> merged_o;  // a merged row on its way to a bf16 O
   };
   std::shared_ptr<Executor> executor_;
   const KernelConfig config_;

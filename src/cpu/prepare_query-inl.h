@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <numbers>
 
 #include "core/minifloat.h"
@@ -44,14 +45,21 @@ inline float PrepareQuery(const ItemContext& it, float* HWY_RESTRICT qn,
   const int d = it.d;
   const bool channel_scales = cache.granularity == ScaleGranularity::channel;
   const float* ks = channel_scales ? &cache.k_scale[std::size_t(it.item->kv_head) * d] : nullptr;
+  const bool bf16 = args.q.type == RowType::bf16;
+  const hn::RebindToUnsigned<FloatTag> du;
+  const hn::Rebind<std::uint16_t, FloatTag> d16;
   auto amax = hn::Zero(df);
   for (int r = 0; r < it.rows; ++r) {
-    const float* q = args.q_row(*it.item, r, it.g);
+    const void* q = args.q_row(*it.item, r, it.g);
     float* out = qn + std::size_t(r) * d;
     auto row_max = hn::Zero(df);
     auto non_finite = hn::Zero(df);  // x - x: NaN where x is not finite
     for (int c = 0; c < d; c += int(n)) {
-      auto v = hn::LoadU(df, q + c);
+      // A bf16 Q widens exactly: its bits are the high half of the float's.
+      auto v =
+          bf16 ? hn::BitCast(df, hn::ShiftLeft<16>(hn::PromoteTo(
+                                     du, hn::LoadU(d16, static_cast<const std::uint16_t*>(q) + c))))
+               : hn::LoadU(df, static_cast<const float*>(q) + c);
       if (channel_scales) v = hn::Mul(v, hn::LoadU(df, ks + c));
       row_max = hn::Max(row_max, hn::Abs(v));
       non_finite = hn::Add(non_finite, hn::Sub(v, v));

@@ -95,6 +95,7 @@ class CudaBackend final : public Backend {
            std::span<std::byte> workspace) const override {
     MJOLNIR_REQUIRE(unavailable_.empty(), "backend cuda: ", unavailable_);
     validate(args);
+    require_float32_rows(args);
     const CacheGeometry& geo = args.cache.geometry;
     const int num_seqs = args.batch.num_seqs();
     if (num_seqs == 0) return;
@@ -220,6 +221,7 @@ class StagingBackend final : public Backend {
 
   void run(const DecodeArgs& host, const Plan& plan, std::span<std::byte>) const override {
     validate(host);
+    require_float32_rows(host);
     const CacheGeometry& geo = host.cache.geometry;
     const DecodeParams& params = host.params;
     const std::int64_t rows = std::int64_t(host.batch.num_seqs()) * params.q_len;
@@ -244,8 +246,8 @@ class StagingBackend final : public Backend {
 
     DecodeArgs dev = host;
     dev.cache.data = pool.data();
-    dev.q.data = reinterpret_cast<const float*>(q.data());
-    dev.o.data = reinterpret_cast<float*>(o.data());
+    dev.q.data = q.data();
+    dev.o.data = o.data();
     dev.lse = host.lse.empty()
                   ? std::span<float>()
                   : std::span<float>(reinterpret_cast<float*>(lse.data()), host.lse.size());

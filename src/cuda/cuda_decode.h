@@ -173,4 +173,8 @@ void write_kv(const KvCacheView& cache, const TokenRows& k, const TokenRows& v,
 // which the kernels cannot read. Device, managed and pinned memory pass.
 void require_device_pointer(const void* pointer, const char* name);
 
+// Throws Error("q.type: ...") unless Q and O are float32 rows: the CUDA kernels take no other
+// (bf16 rows: the CPU and reference backends).
+void require_float32_rows(const DecodeArgs& args);
+
 }  // namespace mjolnir::cuda

@@ -142,10 +142,10 @@ inline DecodeConfig make_decode_config(const DecodeArgs& args, const float* k_sc
   p.k_scale = k_scale;
   p.v_scale = v_scale;
   p.step = reinterpret_cast<const std::uint8_t*>(step_device);
-  p.q = args.q.data;
+  p.q = static_cast<const float*>(args.q.data);  // float32: the backend checks q.type
   p.q_token_stride = args.q.token_stride;
   p.q_head_stride = args.q.head_stride;
-  p.o = args.o.data;
+  p.o = static_cast<float*>(args.o.data);
   p.o_token_stride = args.o.token_stride;
   p.o_head_stride = args.o.head_stride;
   p.lse = args.lse.empty() ? nullptr : args.lse.data();

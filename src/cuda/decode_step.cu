@@ -167,6 +167,13 @@ std::size_t decode_workspace_bytes(const StepCapacity& capacity, const CacheGeom
   return (layout.o_floats(slots) + layout.lse_floats(slots)) * sizeof(float);
 }
 
+void require_float32_rows(const DecodeArgs& args) {
+  MJOLNIR_REQUIRE(args.q.type == RowType::f32,
+                  "q.type: bf16 rows are not taken by the cuda backend (pass float32)");
+  MJOLNIR_REQUIRE(args.o.type == RowType::f32,
+                  "o.type: bf16 rows are not taken by the cuda backend (pass float32)");
+}
+
 void enqueue_decode(const DecodeArgs& args, const DeviceScales& scales, const DecodeStep& step,
                     std::span<std::byte> workspace, cudaStream_t stream,
                     const CudaKernelOptions& kernels) {
@@ -188,6 +195,7 @@ void enqueue_decode(const DecodeArgs& args, const DeviceScales& scales, const De
   check.batch = PagedBatch{{}, 0, padding};
   check.lse = {};
   validate(check);
+  require_float32_rows(args);
   const std::size_t lse_floats = std::size_t(max_seqs) * params.q_len * params.num_q_heads;
   MJOLNIR_REQUIRE(args.lse.empty() || args.lse.size() == lse_floats, "lse: ", args.lse.size(),
                   " floats, expected ", lse_floats, " ([capacity.max_seqs * q_len, Hq]) or none");

@@ -51,10 +51,10 @@ PreparedQuery prepare_query(const DecodeArgs& args, const WorkItem& item) {
   prepared.values.resize(std::size_t(rows) * d);
   prepared.poisoned.assign(rows, 0);
   for (int r = 0; r < rows; ++r) {
-    const float* q = args.q_row(item, r, g);
     float* out = &prepared.values[std::size_t(r) * d];
-    for (int c = 0; c < d; ++c) {
-      out[c] = channel_scales ? q[c] * cache.k_scale_at(kv_head, c) : q[c];
+    args.read_q_row(item, r, g, out);
+    if (channel_scales) {
+      for (int c = 0; c < d; ++c) out[c] *= cache.k_scale_at(kv_head, c);
     }
     if (!all_finite(out, d)) {
       prepared.poisoned[r] = 1;

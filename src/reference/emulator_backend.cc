@@ -12,6 +12,7 @@ namespace {
 class EmulatorBackend final : public Backend {
  public:
   std::string_view name() const override { return "reference"; }
+  bool takes_rows(RowType) const override { return true; }  // float32 and bf16
   std::string unsupported_reason(const CacheGeometry&, const DecodeParams&) const override {
     return {};
   }
@@ -42,7 +43,7 @@ class EmulatorBackend final : public Backend {
       for (int r = 0; r < item.q_count * g; ++r) {
         const float* src = &o[std::size_t(r) * d];
         if (item.partial_slot < 0) {
-          std::copy(src, src + d, args.o_row(item, r, g));
+          args.write_o_row(item, r, g, src);
           if (float* out_lse = args.lse_at(item, r, g)) *out_lse = lse[r];
         } else {
           std::copy(src, src + d, partial_o + layout.o_offset(item.partial_slot, item.kv_head, r));
@@ -52,7 +53,7 @@ class EmulatorBackend final : public Backend {
     }
 
     // Merge the chunks of every split query tile.
-    std::vector<float> chunk_o, chunk_lse;
+    std::vector<float> chunk_o, chunk_lse, merged_o(d);
     for (int i = 0; i < plan.num_query_tiles; ++i) {
       const int splits = plan.num_splits[i];
       if (splits <= 1) continue;
@@ -70,8 +71,8 @@ class EmulatorBackend final : public Backend {
             chunk_lse[s] = partial_lse[layout.lse_offset(slot, h, r)];
           }
           float merged_lse;
-          merge_chunks(chunk_o, chunk_lse, d, {args.o_row(rows_of, r, g), std::size_t(d)},
-                       &merged_lse);
+          merge_chunks(chunk_o, chunk_lse, d, merged_o, &merged_lse);
+          args.write_o_row(rows_of, r, g, merged_o.data());
           if (float* out_lse = args.lse_at(rows_of, r, g)) *out_lse = merged_lse;
         }
       }

@@ -37,6 +37,7 @@ ExactResult exact_attention(const DecodeArgs& args, const KvRowSource& kv_rows) 
   result.lse.assign(rows * hq, -std::numeric_limits<double>::infinity());
 
   std::vector<double> k, v, s;
+  std::vector<float> q_values(d);  // one query row in float32
   for (int b = 0; b < num_seqs; ++b) {
     const int seq_len = args.batch.seq_lens[b];
     if (seq_len == 0) continue;
@@ -53,7 +54,9 @@ ExactResult exact_attention(const DecodeArgs& args, const KvRowSource& kv_rows) 
         for (int j = 0; j < g; ++j) {
           const int head = h * g + j;
           const std::size_t row = static_cast<std::size_t>(args.query_row(b, t));
-          const float* q = args.q.data + row * args.q.token_stride + head * args.q.head_stride;
+          const WorkItem token{.seq = b, .kv_head = h, .q_begin = t, .q_count = 1};
+          args.read_q_row(token, j, g, q_values.data());
+          const float* q = q_values.data();
           s.assign(visible, 0.0);
           double max_s = -std::numeric_limits<double>::infinity();
           // The non-finite policy (core/non_finite.h): a NaN or Inf in q, or in K (its score)

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 namespace mjolnir::verify {
 
@@ -95,14 +96,15 @@ double query_crest(const DecodeArgs& args) {
   const int g = args.params.num_q_heads / hk;
   const bool channel = cache.granularity == ScaleGranularity::channel;
   double crest = 0;
+  std::vector<float> q(d);  // one query row in float32
   for (int b = 0; b < args.batch.num_seqs(); ++b) {
     for (int h = 0; h < hk; ++h) {
       double amax = 0, squares = 0;
       std::int64_t count = 0;
       for (int t = 0; t < args.query_len(b); ++t) {
-        const float* row = args.q.data + args.query_row(b, t) * args.q.token_stride;
+        const WorkItem token{.seq = b, .kv_head = h, .q_begin = t, .q_count = 1};
         for (int j = 0; j < g; ++j) {
-          const float* q = row + std::int64_t(h * g + j) * args.q.head_stride;
+          args.read_q_row(token, j, g, q.data());
           for (int c = 0; c < d; ++c) {
             const double x = double(q[c]) * (channel ? cache.k_scale_at(h, c) : 1.0);
             amax = std::max(amax, std::abs(x));

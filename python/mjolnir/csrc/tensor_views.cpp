@@ -137,14 +137,21 @@ std::span<const float> host_floats(const at::Tensor& t, std::string_view name, a
   return {keep.const_data_ptr<float>(), std::size_t(keep.numel())};
 }
 
-FloatRows float_rows_in(const at::Tensor& t, std::int64_t rows, FloatScratch& scratch) {
-  FloatRows out;
-  if (direct_float_rows(t)) {
-    out.data = static_cast<float*>(t.data_ptr());
-    out.token_stride = t.stride(0);
-    out.head_stride = t.stride(1);
-    return out;
-  }
+// t's own rows, when the library reads or writes them as they are.
+bool own_rows(const at::Tensor& t, bool bf16_ok, LibraryRows& rows) {
+  const bool bf16 = bf16_ok && t.device().is_cpu() && t.scalar_type() == at::kBFloat16 &&
+                    (t.numel() == 0 || t.stride(-1) == 1);
+  if (!bf16 && !direct_float_rows(t)) return false;
+  rows.data = t.data_ptr();
+  rows.token_stride = t.stride(0);
+  rows.head_stride = t.stride(1);
+  rows.type = bf16 ? RowType::bf16 : RowType::f32;
+  return true;
+}
+
+LibraryRows rows_in(const at::Tensor& t, std::int64_t rows, FloatScratch& scratch, bool bf16_ok) {
+  LibraryRows out;
+  if (own_rows(t, bf16_ok, out)) return out;
   const std::int64_t heads = t.size(1), d = t.size(2);
   out.converted = true;
   out.token_stride = heads * d;
@@ -154,28 +161,23 @@ FloatRows float_rows_in(const at::Tensor& t, std::int64_t rows, FloatScratch& sc
     out.data = out.device_copy.data_ptr<float>();
     return out;
   }
-  out.data = scratch_rows(scratch, std::size_t(rows * heads * d));
+  float* const dst = scratch_rows(scratch, std::size_t(rows * heads * d));
+  out.data = dst;
   if (t.scalar_type() == at::kBFloat16) {
-    convert_rows(t.const_data_ptr<c10::BFloat16>(), t.stride(0), t.stride(1), out.data, rows, heads,
-                 d);
+    convert_rows(t.const_data_ptr<c10::BFloat16>(), t.stride(0), t.stride(1), dst, rows, heads, d);
   } else if (t.scalar_type() == at::kHalf) {
-    convert_rows(t.const_data_ptr<c10::Half>(), t.stride(0), t.stride(1), out.data, rows, heads, d);
+    convert_rows(t.const_data_ptr<c10::Half>(), t.stride(0), t.stride(1), dst, rows, heads, d);
   } else {  // float32 whose channels are not contiguous
     const at::Tensor copy = t.narrow(0, 0, rows).contiguous();
-    convert_rows(copy.const_data_ptr<float>(), copy.stride(0), copy.stride(1), out.data, rows,
-                 heads, d);
+    convert_rows(copy.const_data_ptr<float>(), copy.stride(0), copy.stride(1), dst, rows, heads, d);
   }
   return out;
 }
 
-FloatRows float_rows_out(const at::Tensor& out, std::int64_t rows, FloatScratch& scratch) {
-  FloatRows r;
-  if (direct_float_rows(out)) {
-    r.data = static_cast<float*>(out.data_ptr());
-    r.token_stride = out.stride(0);
-    r.head_stride = out.stride(1);
-    return r;
-  }
+LibraryRows rows_out(const at::Tensor& out, std::int64_t rows, FloatScratch& scratch,
+                     bool bf16_ok) {
+  LibraryRows r;
+  if (own_rows(out, bf16_ok, r)) return r;
   const std::int64_t heads = out.size(1), d = out.size(2);
   r.converted = true;
   r.token_stride = heads * d;
@@ -189,20 +191,20 @@ FloatRows float_rows_out(const at::Tensor& out, std::int64_t rows, FloatScratch&
   return r;
 }
 
-void finish_rows_out(const at::Tensor& out, std::int64_t count, const FloatRows& rows) {
+void finish_rows_out(const at::Tensor& out, std::int64_t count, const LibraryRows& rows) {
   if (!rows.converted) return;
   if (rows.device_copy.defined()) {
     out.narrow(0, 0, count).copy_(rows.device_copy);
     return;
   }
   const std::int64_t heads = out.size(1), d = out.size(2);
+  const float* src = static_cast<const float*>(rows.data);
   if (out.scalar_type() == at::kBFloat16) {
-    store_rows(rows.data, out.data_ptr<c10::BFloat16>(), out.stride(0), out.stride(1), count, heads,
-               d);
+    store_rows(src, out.data_ptr<c10::BFloat16>(), out.stride(0), out.stride(1), count, heads, d);
   } else if (out.scalar_type() == at::kHalf) {
-    store_rows(rows.data, out.data_ptr<c10::Half>(), out.stride(0), out.stride(1), count, heads, d);
+    store_rows(src, out.data_ptr<c10::Half>(), out.stride(0), out.stride(1), count, heads, d);
   } else {
-    store_rows(rows.data, out.data_ptr<float>(), out.stride(0), out.stride(1), count, heads, d);
+    store_rows(src, out.data_ptr<float>(), out.stride(0), out.stride(1), count, heads, d);
   }
 }
 

@@ -49,27 +49,29 @@ void check_rows(const at::Tensor& t, std::string_view name, std::int64_t expect_
 void check_head_dim(std::int64_t head_dim, std::string_view name);
 // An int32 tensor of `dims` dimensions, contiguous on the host (copied when it is not).
 at::Tensor host_int32(const at::Tensor& t, std::string_view name, int dims);
-// Rows [0, rows) of a [tokens, heads, D] tensor as the float32 rows the library reads or
-// writes: the tensor's own memory when it is float32 with D contiguous, else `scratch` (host
-// tensors convert by a loop, bf16 and fp16 rounding to nearest even; device tensors through
-// torch). No torch operator on the host path: at a decode step of a short context each costs
-// about what the kernel does.
+// Rows [0, rows) of a [tokens, heads, D] tensor as the rows the library reads or writes: the
+// tensor's own memory when it is float32 with D contiguous, or bf16 with D contiguous on the host
+// when the backend takes bf16 rows (`bf16_ok`: Backend::takes_rows); else float32 rows in
+// `scratch` (host tensors convert by a loop, bf16 and fp16 rounding to nearest even; device
+// tensors through torch). No torch operator on the host path: at a decode step of a short
+// context each costs about what the kernel does.
 // Host float32 rows for conversions: grown as needed, never zero-filled (every float is written
 // before it is read), kept between calls up to a prompt's size.
 struct FloatScratch {
   std::unique_ptr<float[]> data;
   std::size_t size = 0;
 };
-struct FloatRows {
-  float* data = nullptr;
+struct LibraryRows {
+  void* data = nullptr;  // float, or bf16 bits where type is bf16
   std::int64_t token_stride = 0, head_stride = 0;
-  bool converted = false;
+  RowType type = RowType::f32;
+  bool converted = false;  // float32 rows in scratch or device_copy, not the tensor's own
   at::Tensor device_copy;  // device tensors: the float32 copy that holds the rows
 };
-FloatRows float_rows_in(const at::Tensor& t, std::int64_t rows, FloatScratch& scratch);
-FloatRows float_rows_out(const at::Tensor& out, std::int64_t rows, FloatScratch& scratch);
+LibraryRows rows_in(const at::Tensor& t, std::int64_t rows, FloatScratch& scratch, bool bf16_ok);
+LibraryRows rows_out(const at::Tensor& out, std::int64_t rows, FloatScratch& scratch, bool bf16_ok);
 // Stores what the library wrote into `rows` back into `out`, when it went to scratch.
-void finish_rows_out(const at::Tensor& out, std::int64_t count, const FloatRows& rows);
+void finish_rows_out(const at::Tensor& out, std::int64_t count, const LibraryRows& rows);
 // Lets scratch larger than a long prompt's rows go after its call (a prefill of 16k tokens of 8
 // heads x 128 channels stays: a serving engine runs one every step of a prompt, and a fresh
 // allocation costs its page faults each time).

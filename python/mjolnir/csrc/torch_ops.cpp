@@ -126,13 +126,13 @@ StepTensors step_tensors(const at::Tensor& block_table, const at::Tensor& seq_le
 }
 
 DecodeArgs decode_args(const KvCacheView& cache, const PagedBatch& batch,
-                       const DecodeParams& params, const FloatRows& q, const FloatRows& o) {
+                       const DecodeParams& params, const LibraryRows& q, const LibraryRows& o) {
   DecodeArgs args;
   args.cache = cache;
   args.batch = batch;
   args.params = params;
-  args.q = {q.data, q.token_stride, q.head_stride};
-  args.o = {o.data, o.token_stride, o.head_stride};
+  args.q = {q.data, q.token_stride, q.head_stride, q.type};
+  args.o = {o.data, o.token_stride, o.head_stride, o.type};
   return args;
 }
 
@@ -227,9 +227,12 @@ void decode_step(at::Tensor& output, const at::Tensor& q, const at::Tensor& kv_c
   if (num_tokens == 0) return;  // an empty step: nothing to read or write
 
   RowScratch& scratch = row_scratch();
-  const FloatRows q32 = float_rows_in(q, num_tokens, scratch.q);
-  const FloatRows o32 = float_rows_out(output, num_tokens, scratch.o);
-  const DecodeArgs args = decode_args(cache.view, step.batch(), params, q32, o32);
+  // A bf16 model's q and output go to the CPU backend as they are (it widens and rounds them
+  // row by row); other types and backends through float32 rows.
+  const bool bf16_ok = backend.takes_rows(RowType::bf16);
+  const LibraryRows q_rows = rows_in(q, num_tokens, scratch.q, bf16_ok);
+  const LibraryRows o_rows = rows_out(output, num_tokens, scratch.o, bf16_ok);
+  const DecodeArgs args = decode_args(cache.view, step.batch(), params, q_rows, o_rows);
   with_op_errors([&] {
     validate(args);
     const std::string why = backend.unsupported_reason(args.cache.geometry, args.params);
@@ -250,7 +253,7 @@ void decode_step(at::Tensor& output, const at::Tensor& q, const at::Tensor& kv_c
   CallWorkspace workspace(
       q.device().is_cpu() ? backend.workspace_bytes(plan, args.cache.geometry, args.params) : 0);
   run_planned(backend, args, plan, workspace.span(), q.device());
-  finish_rows_out(output, num_tokens, o32);
+  finish_rows_out(output, num_tokens, o_rows);
   scratch.release();
 }
 
@@ -312,17 +315,14 @@ void write_kv_op(const at::Tensor& key, const at::Tensor& value, at::Tensor kv_c
   RowScratch& scratch = row_scratch();
   // A bf16 model's K and V on the CPU go to the library as they are (it widens a row at a
   // time): converting a prompt's rows to float32 first cost as much as the write itself.
-  // `rows32` keeps a float32 copy (a device tensor's) alive for the call.
-  const auto token_rows = [&](const at::Tensor& t, FloatScratch& s, FloatRows& rows32) {
-    if (t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.stride(2) == 1) {
-      return TokenRows{t.data_ptr(), t.stride(0), t.stride(1), RowType::bf16};
-    }
-    rows32 = float_rows_in(t, num_tokens, s);
-    return TokenRows{rows32.data, rows32.token_stride, rows32.head_stride};
+  // `kept` keeps a float32 copy (a device tensor's) alive for the call.
+  const auto token_rows = [&](const at::Tensor& t, FloatScratch& s, LibraryRows& kept) {
+    kept = rows_in(t, num_tokens, s, /*bf16_ok=*/t.device().is_cpu());
+    return TokenRows{kept.data, kept.token_stride, kept.head_stride, kept.type};
   };
-  FloatRows k32, v32;
-  const TokenRows k_rows = token_rows(key, scratch.q, k32);
-  const TokenRows v_rows = token_rows(value, scratch.o, v32);
+  LibraryRows k_kept, v_kept;
+  const TokenRows k_rows = token_rows(key, scratch.q, k_kept);
+  const TokenRows v_rows = token_rows(value, scratch.o, v_kept);
   struct Release {
     RowScratch& s;
     ~Release() { s.release(); }
@@ -434,8 +434,9 @@ class Step final : public torch::CustomClassHolder {
     // its conversion buffers for every layer (a prompt's rows are tens of MiB: allocating them
     // per layer cost their page faults each time), and frees them with itself.
     RowScratch& scratch = scratch_;
-    const FloatRows q32 = float_rows_in(q, rows_, scratch.q);
-    const FloatRows o32 = float_rows_out(output, rows_, scratch.o);
+    const bool bf16_ok = backend_->takes_rows(RowType::bf16);
+    const LibraryRows q_rows = rows_in(q, rows_, scratch.q, bf16_ok);
+    const LibraryRows o_rows = rows_out(output, rows_, scratch.o, bf16_ok);
     DecodeParams params = params_;
     params.softmax_scale = float(softmax_scale);
     if (q_auto_ || p_auto_) {  // the backend's choice for this layer's format and queries
@@ -444,7 +445,7 @@ class Step final : public torch::CustomClassHolder {
       if (q_auto_) params.q_mode = modes.q_mode;
       if (p_auto_) params.p_mode = modes.p_mode;
     }
-    const DecodeArgs args = decode_args(cache.view, batch_, params, q32, o32);
+    const DecodeArgs args = decode_args(cache.view, batch_, params, q_rows, o_rows);
     with_op_errors([&] {
       validate(args);
       const std::string why = backend_->unsupported_reason(args.cache.geometry, args.params);
@@ -461,7 +462,7 @@ class Step final : public torch::CustomClassHolder {
       workspace = {workspace_.get(), bytes};
     }
     run_planned(*backend_, args, plan_, workspace, q.device());
-    finish_rows_out(output, rows_, o32);
+    finish_rows_out(output, rows_, o_rows);
   }
 
   // step.attend(...) from Python: the operator's work without its dispatch, which for an
