@@ -7,6 +7,7 @@
 #include <numeric>
 #include <vector>
 
+#include "core/chunk_merge.h"
 #include "mjolnir/decode.h"
 #include "mjolnir/write_kv.h"
 #include "reference/emulator.h"
@@ -65,16 +66,20 @@ struct Outputs {
   std::vector<float> o, lse;
 };
 
-Outputs run(const std::string& backend_name, TinyCache& cache, const std::vector<float>& q, int q_len,
-        bool causal, DecodeParams params = {}) {
+Outputs run(const std::string& backend_name, TinyCache& cache, const std::vector<float>& q,
+            int q_len, bool causal, DecodeParams params = {}) {
   params.q_len = q_len;
   params.num_q_heads = 1;
   params.causal = causal;
   Outputs r;
   r.o.assign(q.size(), std::numeric_limits<float>::quiet_NaN());
   r.lse.assign(q_len, std::numeric_limits<float>::quiet_NaN());
-  DecodeArgs args{cache.view(), PagedBatch{cache.block_table, 1, cache.seq_lens}, params,
-                  QueryTensor{q.data(), kD, kD}, OutputTensor{r.o.data(), kD, kD}, r.lse};
+  DecodeArgs args{cache.view(),
+                  PagedBatch{cache.block_table, 1, cache.seq_lens},
+                  params,
+                  QueryTensor{q.data(), kD, kD},
+                  OutputTensor{r.o.data(), kD, kD},
+                  r.lse};
   decode(*make_backend(backend_name), args);
   return r;
 }
@@ -137,8 +142,12 @@ TEST(Emulator, Fp8QueryCodesPerSequenceAndHead) {
   DecodeParams params;
   params.num_q_heads = 1;
   params.q_mode = QMode::fp8;
-  const DecodeArgs args{cache.view(), PagedBatch{cache.block_table, 1, cache.seq_lens}, params,
-                        QueryTensor{q.data(), kD, kD}, OutputTensor{o.data(), kD, kD}, {}};
+  const DecodeArgs args{cache.view(),
+                        PagedBatch{cache.block_table, 1, cache.seq_lens},
+                        params,
+                        QueryTensor{q.data(), kD, kD},
+                        OutputTensor{o.data(), kD, kD},
+                        {}};
   const reference::PreparedQuery prepared = reference::prepare_query(args, 0, 0);
   EXPECT_EQ(prepared.values[0], 448.0f);
   EXPECT_EQ(prepared.values[1], 0.5f);
@@ -153,7 +162,7 @@ TEST(Merge, WeightsChunksByTheirLse) {
   const std::vector<float> partial_lse{0.0f, std::log(3.0f)};
   std::vector<float> o(2);
   float lse = 0;
-  reference::merge_chunks(partial_o, partial_lse, 2, o, &lse);
+  merge_chunks(partial_o.data(), 2, partial_lse.data(), 1, 2, 2, o.data(), &lse);
   EXPECT_FLOAT_EQ(o[0], 0.25f * 1 + 0.75f * 5);
   EXPECT_FLOAT_EQ(o[1], 0.25f * 2 + 0.75f * 6);
   EXPECT_FLOAT_EQ(lse, std::log(4.0f));
@@ -163,16 +172,32 @@ TEST(Merge, EmptyChunksWeighNothingAndAllEmptyIsZero) {
   const float inf = std::numeric_limits<float>::infinity();
   std::vector<float> o(2);
   float lse = 0;
-  reference::merge_chunks(std::vector<float>{9.0f, 9.0f, 3.0f, 4.0f},
-                          std::vector<float>{-inf, 1.5f}, 2, o, &lse);
+  const float first_empty_o[] = {9.0f, 9.0f, 3.0f, 4.0f}, first_empty_lse[] = {-inf, 1.5f};
+  merge_chunks(first_empty_o, 2, first_empty_lse, 1, 2, 2, o.data(), &lse);
   EXPECT_EQ(o[0], 3.0f);
   EXPECT_EQ(o[1], 4.0f);
   EXPECT_EQ(lse, 1.5f);
-  reference::merge_chunks(std::vector<float>{9.0f, 9.0f, 9.0f, 9.0f},
-                          std::vector<float>{-inf, -inf}, 2, o, &lse);
+  const float both_empty_o[] = {9.0f, 9.0f, 9.0f, 9.0f}, both_empty_lse[] = {-inf, -inf};
+  merge_chunks(both_empty_o, 2, both_empty_lse, 1, 2, 2, o.data(), &lse);
   EXPECT_EQ(o[0], 0.0f);
   EXPECT_EQ(o[1], 0.0f);
   EXPECT_EQ(lse, -inf);
+}
+
+// The partial layout's strides (slots of every head's rows apart): chunks of D 2 three floats
+// apart with a stray value between them, LSEs two apart. Then a poisoned chunk (LSE NaN).
+TEST(Merge, ReadsChunksAtTheirStridesAndAPoisonedChunkPoisonsTheRow) {
+  const float partial_o[] = {1.0f, 2.0f, 100.0f, 5.0f, 6.0f};
+  const float partial_lse[] = {0.0f, 100.0f, std::log(3.0f)};
+  std::vector<float> o(2);
+  float lse = 0;
+  merge_chunks(partial_o, 3, partial_lse, 2, 2, 2, o.data(), &lse);
+  EXPECT_FLOAT_EQ(o[0], 0.25f * 1 + 0.75f * 5);
+  EXPECT_FLOAT_EQ(o[1], 0.25f * 2 + 0.75f * 6);
+  EXPECT_FLOAT_EQ(lse, std::log(4.0f));
+  const float poisoned_lse[] = {0.0f, 100.0f, std::numeric_limits<float>::quiet_NaN()};
+  merge_chunks(partial_o, 3, poisoned_lse, 2, 2, 2, o.data(), &lse);
+  EXPECT_TRUE(std::isnan(o[0]) && std::isnan(o[1]) && std::isnan(lse));
 }
 
 }  // namespace

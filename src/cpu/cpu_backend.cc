@@ -1,5 +1,5 @@
 // The CPU backend: the plan's items grouped into units (work_units.h) on a thread pool, then the
-// LSE merges of token parts and of split sequences.
+// merges of token parts (here) and of split query tiles (core/chunk_merge.h, the emulator's).
 #include "cpu/cpu_backend.h"
 
 #include <algorithm>
@@ -9,6 +9,7 @@
 #include <numbers>
 
 #include "core/bf16_rows.h"
+#include "core/chunk_merge.h"
 #include "core/non_finite.h"
 #include "cpu/attention_kernel.h"
 #include "cpu/thread_pool.h"
@@ -18,31 +19,6 @@
 namespace mjolnir::cpu {
 
 namespace {
-
-// O = sum_i exp(lse_i - L) O_i with L = log sum_i exp(lse_i), for one query row of a split
-// sequence; chunks whose rows saw nothing (lse = -inf) weigh 0, all-empty gives O = 0, and a
-// poisoned chunk (lse = NaN) poisons the row (core/non_finite.h).
-void merge_row(const float* partial_o, const float* partial_lse, std::size_t o_stride,
-               std::size_t lse_stride, int chunks, int d, float* o, float* lse) {
-  for (int s = 0; s < chunks; ++s) {
-    if (std::isnan(partial_lse[s * lse_stride])) return poison_row(o, std::size_t(d), lse);
-  }
-  float max_lse = -std::numeric_limits<float>::infinity();
-  for (int s = 0; s < chunks; ++s) max_lse = std::max(max_lse, partial_lse[s * lse_stride]);
-  std::fill(o, o + d, 0.0f);
-  if (max_lse == -std::numeric_limits<float>::infinity()) {
-    if (lse) *lse = max_lse;
-    return;
-  }
-  float weight_sum = 0.0f;
-  for (int s = 0; s < chunks; ++s) weight_sum += std::exp(partial_lse[s * lse_stride] - max_lse);
-  for (int s = 0; s < chunks; ++s) {
-    const float w = std::exp(partial_lse[s * lse_stride] - max_lse) / weight_sum;
-    const float* src = partial_o + s * o_stride;
-    for (int c = 0; c < d; ++c) o[c] += w * src[c];
-  }
-  if (lse) *lse = max_lse + std::log(weight_sum);
-}
 
 // Token parts of one chunk (work_units.h) into the chunk's result for one query row, from each
 // part's normalized O and softmax state {m, l}: weights 2^(m_i - M) l_i, in double, so the merge
@@ -270,10 +246,9 @@ class CpuBackend final : public Backend {
       for (int r = 0; r < qt.q_count * g; ++r) {
         void* o = args.o_row(rows_of, r, g);
         float* merged = merged_row(worker, true, o);
-        merge_row(partial_o + layout.o_offset(first, h, r),
-                  partial_lse + layout.lse_offset(first, h, r), layout.o_offset(1, 0, 0),
-                  layout.lse_offset(1, 0, 0), plan.num_splits[i], d, merged,
-                  args.lse_at(rows_of, r, g));
+        merge_chunks(partial_o + layout.o_offset(first, h, r), layout.o_offset(1, 0, 0),
+                     partial_lse + layout.lse_offset(first, h, r), layout.lse_offset(1, 0, 0),
+                     plan.num_splits[i], d, merged, args.lse_at(rows_of, r, g));
         if (merged != o) narrow_row(merged, args.o.type, o, std::size_t(d));
       }
     });

@@ -192,27 +192,4 @@ void run_item(const DecodeArgs& args, const Plan& plan, const WorkItem& item,
   }
 }
 
-void merge_chunks(std::span<const float> partial_o, std::span<const float> partial_lse,
-                  int head_dim, std::span<float> o, float* lse) {
-  if (std::any_of(partial_lse.begin(), partial_lse.end(), [](float x) { return std::isnan(x); })) {
-    poison_row(o.data(), o.size(), lse);
-    return;
-  }
-  float max_lse = kNegInf;
-  for (float x : partial_lse) max_lse = std::max(max_lse, x);
-  if (max_lse == kNegInf) {
-    std::fill(o.begin(), o.end(), 0.0f);
-    if (lse) *lse = kNegInf;
-    return;
-  }
-  float weight_sum = 0.0f;
-  for (float x : partial_lse) weight_sum += std::exp(x - max_lse);
-  std::fill(o.begin(), o.end(), 0.0f);
-  for (std::size_t i = 0; i < partial_lse.size(); ++i) {
-    const float w = std::exp(partial_lse[i] - max_lse) / weight_sum;
-    for (int c = 0; c < head_dim; ++c) o[c] += w * partial_o[i * head_dim + c];
-  }
-  if (lse) *lse = max_lse + std::log(weight_sum);
-}
-
 }  // namespace mjolnir::reference

@@ -40,10 +40,6 @@ float probability_scale(PMode mode);
 void run_item(const DecodeArgs& args, const Plan& plan, const WorkItem& item,
               const PreparedQuery& query, std::span<float> o, std::span<float> lse);
 
-// Step 6: L = log(sum exp(lse_i)), O = sum exp(lse_i - L) * O_i over the chunks; all-empty
-// gives O = 0, L = -inf, and a chunk with a NaN LSE (a poisoned row) O = L = NaN. `partial_o`
-// [chunks][D], `partial_lse` [chunks].
-void merge_chunks(std::span<const float> partial_o, std::span<const float> partial_lse,
-                  int head_dim, std::span<float> o, float* lse);
+// Step 6, the merge of a split query tile's chunks: merge_chunks (core/chunk_merge.h).
 
 }  // namespace mjolnir::reference

@@ -3,6 +3,7 @@
 
 #include <vector>
 
+#include "core/chunk_merge.h"
 #include "reference/emulator.h"
 
 namespace mjolnir::reference {
@@ -53,25 +54,20 @@ class EmulatorBackend final : public Backend {
     }
 
     // Merge the chunks of every split query tile.
-    std::vector<float> chunk_o, chunk_lse, merged_o(d);
+    std::vector<float> merged_o(d);
     for (int i = 0; i < plan.num_query_tiles; ++i) {
       const int splits = plan.num_splits[i];
       if (splits <= 1) continue;
       const QueryTile& qt = plan.query_tiles[i];
-      chunk_o.resize(std::size_t(splits) * d);
-      chunk_lse.resize(splits);
+      const int first = plan.first_partial[i];
       for (int h = 0; h < hk; ++h) {
         const WorkItem rows_of{
             .seq = qt.seq, .kv_head = h, .q_begin = qt.q_begin, .q_count = qt.q_count};
         for (int r = 0; r < qt.q_count * g; ++r) {
-          for (int s = 0; s < splits; ++s) {
-            const int slot = plan.first_partial[i] + s;
-            const float* src = partial_o + layout.o_offset(slot, h, r);
-            std::copy(src, src + d, &chunk_o[std::size_t(s) * d]);
-            chunk_lse[s] = partial_lse[layout.lse_offset(slot, h, r)];
-          }
           float merged_lse;
-          merge_chunks(chunk_o, chunk_lse, d, merged_o, &merged_lse);
+          merge_chunks(partial_o + layout.o_offset(first, h, r), layout.o_offset(1, 0, 0),
+                       partial_lse + layout.lse_offset(first, h, r), layout.lse_offset(1, 0, 0),
+                       splits, d, merged_o.data(), &merged_lse);
           args.write_o_row(rows_of, r, g, merged_o.data());
           if (float* out_lse = args.lse_at(rows_of, r, g)) *out_lse = merged_lse;
         }
