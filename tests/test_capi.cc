@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "capi_handles.h"
+#include "core/bf16_rows.h"
 #include "mjolnir/cache.h"
 #include "mjolnir/calibrate.h"
 #include "mjolnir/decode.h"
@@ -885,13 +886,16 @@ struct Step {
   }
 
   // The whole C sequence: plan, workspace size, workspace (with a guard), decode.
-  void run_c(mjolnir_backend* backend, Outputs& out) const {
+  // `edit` changes the arguments first (another q or o).
+  void run_c(mjolnir_backend* backend, Outputs& out,
+             const std::function<void(mjolnir_decode_args&)>& edit = {}) const {
     PlanPtr plan = make_plan(backend);
     const mjolnir_decode_params p = params();
     size_t bytes = 0;
     ASSERT_OK(mjolnir_workspace_size(backend, plan.get(), cache.handle.get(), &p, &bytes));
     std::vector<float> workspace(bytes / sizeof(float) + kGuard, kSentinel);
-    const mjolnir_decode_args a = args(out);
+    mjolnir_decode_args a = args(out);
+    if (edit) edit(a);
     ASSERT_OK(
         mjolnir_decode(backend, plan.get(), cache.handle.get(), &p, &a, workspace.data(), bytes));
     EXPECT_STREQ(mjolnir_backend_last_error(backend), "");
@@ -989,6 +993,63 @@ TEST(CapiDecode, EqualsTheCppApi) {
     EXPECT_TRUE(std::all_of(o.begin(), o.end(), [](float x) { return std::isfinite(x); }));
     EXPECT_TRUE(std::any_of(o.begin(), o.end(), [](float x) { return x != 0.0f; }));
   }
+}
+
+// bf16 q and o (args->q_type, o_type): the float32 step's O rounded to nearest even, bit for bit,
+// on both backends, split and not; a q_type outside the enum is refused by name.
+TEST(CapiDecode, Bf16RowsAreTheFloat32StepRounded) {
+  auto rng = make_rng();
+  for (const char* backend_name : {"cpu", "reference"}) {
+    for (int splits : {0, 3}) {
+      StepSpec spec;
+      spec.backend = backend_name;
+      spec.fixed_splits = splits;
+      spec.q_len = 2;
+      spec.seq_lens = {37, 300, 2, 0};
+      SCOPED_TRACE(spec.name());
+      Step step(spec, rng);
+      for (float& x : step.q) x = mjolnir::bf16_to_float(mjolnir::bf16_from_float(x));
+      std::vector<std::uint16_t> q16(step.q.size());
+      for (std::size_t i = 0; i < q16.size(); ++i) q16[i] = mjolnir::bf16_from_float(step.q[i]);
+      BackendPtr backend = make_backend(backend_name, 2);
+      Step::Outputs out32(step), out16(step);
+      step.run_c(backend.get(), out32);
+      std::vector<std::uint16_t> o16(step.o_floats() + 2 * kGuard, 0xDEAD);
+      step.run_c(backend.get(), out16, [&](mjolnir_decode_args& a) {
+        a.q = q16.data();
+        a.q_type = MJOLNIR_ROWS_BF16;
+        a.o = o16.data() + kGuard;
+        a.o_type = MJOLNIR_ROWS_BF16;
+      });
+      const std::vector<float> o32 = out32.o_values();
+      for (std::size_t i = 0; i < o32.size(); ++i) {
+        ASSERT_EQ(o16[kGuard + i], mjolnir::bf16_from_float(o32[i])) << "O value " << i;
+      }
+      for (std::size_t i = 0; i < kGuard; ++i) {
+        ASSERT_EQ(o16[i], 0xDEAD) << "wrote before o";
+        ASSERT_EQ(o16[o16.size() - 1 - i], 0xDEAD) << "wrote after o";
+      }
+      EXPECT_TRUE(same_bits(out16.lse_values(), out32.lse_values())) << "LSE differs";
+    }
+  }
+  StepSpec spec;
+  Step step(spec, rng);
+  BackendPtr backend = make_backend("cpu", 2);
+  PlanPtr plan = step.make_plan(backend.get());
+  const mjolnir_decode_params p = step.params();
+  size_t bytes = 0;
+  ASSERT_OK(mjolnir_workspace_size(backend.get(), plan.get(), step.cache.handle.get(), &p, &bytes));
+  std::vector<std::byte> workspace(bytes);
+  Step::Outputs out(step);
+  mjolnir_decode_args a = step.args(out);
+  a.q_type = 7;
+  EXPECT_EQ(mjolnir_decode(backend.get(), plan.get(), step.cache.handle.get(), &p, &a,
+                           workspace.data(), bytes),
+            MJOLNIR_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(std::string(mjolnir_backend_last_error(backend.get()))
+                .find("mjolnir_decode: args->q_type: 7"),
+            0u)
+      << mjolnir_backend_last_error(backend.get());
 }
 
 TEST(CapiDecode, ConcurrentDecodeOnTwoHandlesEqualsSequential) {

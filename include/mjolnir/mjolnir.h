@@ -318,6 +318,14 @@ static inline void mjolnir_decode_params_init(mjolnir_decode_params* params) {
   params->p_mode = MJOLNIR_P_FP32;
 }
 
+/* The element type of q and o in mjolnir_decode_args. */
+typedef enum mjolnir_row_type {
+  MJOLNIR_ROWS_F32 = 0, /* float */
+  /* bf16 bits in uint16_t (a bf16 model's own tensors): q is its float32 widening, exactly; o is
+   * the float32 result rounded to nearest even (NaN as 0x7FC0), bit for bit. */
+  MJOLNIR_ROWS_BF16 = 1
+} mjolnir_row_type;
+
 /* The tensors of one step. Query and output token row b * q_len + t belongs to query token t of
  * sequence b; D channels are contiguous. */
 typedef struct mjolnir_decode_args {
@@ -326,13 +334,16 @@ typedef struct mjolnir_decode_args {
   int32_t num_seqs;
   const int32_t* block_table; /* [num_seqs, max_pages_per_seq] row-major physical pages */
   int32_t max_pages_per_seq;
-  const float* q;         /* [num_seqs * q_len, Hq, D] */
+  const void* q;          /* [num_seqs * q_len, Hq, D] of q_type (float unless set) */
   int64_t q_token_stride; /* elements */
   int64_t q_head_stride;  /* elements */
-  float* o;               /* [num_seqs * q_len, Hq, D] */
+  void* o;                /* [num_seqs * q_len, Hq, D] of o_type (float unless set) */
   int64_t o_token_stride;
   int64_t o_head_stride;
   float* lse; /* NULL, or contiguous [num_seqs * q_len, Hq]: natural-log LSE, -inf if empty */
+  /* Since 0.1.0's second version of this struct (a smaller size reads them as 0, float): */
+  int32_t q_type; /* mjolnir_row_type of q */
+  int32_t o_type; /* mjolnir_row_type of o */
 } mjolnir_decode_args;
 
 static inline void mjolnir_decode_args_init(mjolnir_decode_args* args) {
