@@ -5,8 +5,8 @@ interleaved rounds, and renders the comparison into a doc from the raw file.
     scripts/env_ab.py measure --name amx --variable MJOLNIR_CPU_AMX --values 1 0 --rounds 2 \\
         --shape "--q-len 4" --shape "--heads 64:8" -- --format fp8_e4m3,bf16 --q-mode bf16
     scripts/env_ab.py measure --name int8 --variable=--q-mode --values bf16 int8 -- --format fp4_e2m1
-    scripts/env_ab.py render bench/results/cpu-ab-amx-DATE-MACHINE.json --doc docs/cpu-performance.md
-    scripts/env_ab.py check --doc docs/cpu-performance.md
+    scripts/env_ab.py render bench/results/cpu-ab-amx-DATE-MACHINE.json --doc docs/cpu-experiments.md
+    scripts/env_ab.py check --doc docs/cpu-experiments.md
 
 A --variable that starts with "-" is a bench option, given the value as its argument; anything
 else is an environment variable. `measure` runs every shape (extra bench arguments; the arguments after `--` go to every run) at

@@ -4,7 +4,7 @@
 // prefetched one phase ahead by the kernel's TilePrefetcher), with one load per cache line and
 // no arithmetic. Its rate bounds what any kernel with this pattern can reach, and sets the
 // memory side apart from the kernel's arithmetic (bench/micro/kernel_rates) in
-// docs/cpu-performance.md.
+// docs/cpu-experiments.md.
 //
 //   build/bench/micro/page_read [--threads=N] [--row-bytes=B] [--tokens=T] [--no-prefetch]
 //                               [--work=N] [--small-pages]

@@ -2,7 +2,7 @@
 // loops of the kernel's own instructions (written out in assembly, so the compiler can neither
 // drop nor reorder them), each timed alone and in the combinations the kernel runs them in. On a
 // core that issues each kind on its own pipes the combinations cost the larger of their parts;
-// where they share pipes, the sum. docs/cpu-performance.md quotes it for the AMD EPYC Zen 4.
+// where they share pipes, the sum. docs/cpu-experiments.md quotes it for the AMD EPYC Zen 4.
 //
 //   build/bench/micro/vector_op_costs
 //

@@ -1,7 +1,7 @@
 // Q . K on AMX tiles for the CPU kernel (attention_kernel.cc), on Intel cores with AMX-BF16
 // (Sapphire Rapids and later). One TDPBF16PS multiplies a 16 x 32 bf16 tile by a 32 x 16 one
 // into 16 x 16 fp32 sums, 8192 multiply-adds, in about 16 cycles, where the AVX-512 dot products
-// issue at half the FMAs' rate on these cores (docs/cpu-performance.md). What the tiles cost
+// issue at half the FMAs' rate on these cores (docs/cpu-experiments.md). What the tiles cost
 // around that (K stored and loaded as a tile, the sums gathered back) makes them pay from 8 query
 // rows on (kAmxMinRows).
 //

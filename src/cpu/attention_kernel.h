@@ -99,7 +99,7 @@ bool amx_values_apply(const KernelConfig& config, Format format, PMode p_mode, i
 // 10% longer, fp8 14%, nvfp4 10%, fp6 4%, fp4 0-5% less): the tiles' fixed cost per key (K
 // stored, loaded as a tile, the sums gathered back) is then about the dot products' whole work.
 // From 8 rows on the tiles win (fp4 32-35%, fp6 15-20%, nvfp4 15-18%, fp8 and bf16 about even)
-// and at 16 by far (16-42%): docs/cpu-performance.md.
+// and at 16 by far (16-42%): docs/cpu-experiments.md.
 inline constexpr int kAmxMinRows = 8;
 
 // Highway targets the kernel is compiled for, best first, and the one run() uses on this CPU

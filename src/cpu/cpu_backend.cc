@@ -90,7 +90,7 @@ class CpuBackend final : public Backend {
   // for bf16); elsewhere P in fp32, which decodes 5-15% faster than bf16 P on the FMAs. Q in
   // int8 where Q . K then runs in integers (fp4_e2m1, fp6_e2m3, nvfp4 on VNNI, fp4_e2m1 on AVX2,
   // below the AMX tiles' rows): 1.26-1.36x faster decode steps on VNNI, error 1.00-1.06x of fp32
-  // Q's (docs/cpu-performance.md, docs/accuracy.md).
+  // Q's (docs/cpu-experiments.md, docs/accuracy.md).
   NumericsModes auto_modes(const CacheGeometry& geometry, int max_tile_rows,
                            bool bf16_queries) const override {
     NumericsModes modes;

@@ -1,7 +1,7 @@
 // Vectorized 2^x for the online softmax (docs/design.md section 4, step 3). Per-target header, see
 // kv_decode-inl.h.
 //
-// Two versions, chosen by the P mode (docs/cpu-performance.md, "exp2 and the emulator"):
+// Two versions, chosen by the P mode (docs/cpu-performance.md, "Numerics"):
 //   Exp2Fast     fp32 polynomial, within 2 ulp of 2^x. Used when P stays fp32: an ulp there
 //                moves O by ~1e-7 relative, far inside the emulator tolerance, and the scores
 //                themselves already differ from the emulator's by fp32 accumulation order.

@@ -7,7 +7,7 @@
 // of the format's codes), Q as signed bytes, and each row's sum starts at -bias * sum(q), which
 // takes the bias back out. On the Intel
 // Xeon this was written on, 32 vpdpbusd (a 4 x 4 block of 128 channels) took 6.5 ns where 32
-// vdpbf16ps (64 channels) took 18.7 (bench/micro/vector_op_costs, docs/cpu-performance.md).
+// vdpbf16ps (64 channels) took 18.7 (bench/micro/vector_op_costs, docs/cpu-experiments.md).
 //
 // The sums are converted to fp32 (exact: |sum| < 2^24) and reduced like the other blocks' sums,
 // then times the kernel's scale (the score scale / factor): the emulator's scores bit for bit.
