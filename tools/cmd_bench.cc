@@ -2,8 +2,6 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
-#include <cctype>
-#include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -16,6 +14,8 @@
 #include "bench/huge_pages.h"
 #include "bench/read_bandwidth.h"
 #include "bench_cuda.h"
+#include "bench_report.h"
+#include "bench_series.h"
 #include "bench_workload.h"
 #include "cpu/attention_kernel.h"
 #include "cpu/cpu_backend.h"
@@ -42,130 +42,11 @@ constexpr std::size_t kMaxCopiesBytes = 16 * kGiB;
 // Positions per sequence with their own drawn K/V (verify::ProblemSpec::distinct_positions).
 constexpr int kDistinctPositions = 4096;
 
-struct Heads {
-  int num_q_heads = 0;
-  int num_kv_heads = 0;
-};
-
-Heads parse_heads(const std::string& text) {
-  const auto colon = text.find(':');
-  Heads heads;
-  const auto parse = [&](std::string_view part, int& value) {
-    const auto [end, ec] = std::from_chars(part.data(), part.data() + part.size(), value);
-    return ec == std::errc() && end == part.data() + part.size() && value > 0;
-  };
-  const std::string_view view(text);
-  const bool ok = colon != std::string::npos && parse(view.substr(0, colon), heads.num_q_heads) &&
-                  parse(view.substr(colon + 1), heads.num_kv_heads);
-  MJOLNIR_REQUIRE(ok, "--heads: '", text, "' is not HQ:HK with two positive counts");
-  MJOLNIR_REQUIRE(heads.num_q_heads % heads.num_kv_heads == 0, "--heads: Hq ", heads.num_q_heads,
-                  " is not a multiple of Hk ", heads.num_kv_heads);
-  return heads;
-}
-
-std::vector<Format> parse_formats(const std::vector<std::string>& names) {
-  std::vector<Format> formats;
-  for (const std::string& name : names) {
-    if (name == "all") {
-      formats.insert(formats.end(), std::begin(kAllFormats), std::end(kAllFormats));
-    } else {
-      formats.push_back(parse_format(name, "--format"));
-    }
-  }
-  return formats;
-}
-
-// One series of a run: a shape, and the grid of formats x contexts x batches timed on it.
-struct Series {
-  std::string name;  // the JSON's "series"; "" for a plain run
-  Heads heads;
-  int head_dim = 128;
-  int q_len = 1;
-  std::vector<int> batches;
-  std::vector<int> contexts;
-  std::vector<Format> formats;
-};
-
-// A plain run: the grid the flags describe.
-Series series_from_flags(const BenchOptions& options) {
-  return Series{"",
-                parse_heads(options.heads),
-                options.head_dim,
-                options.q_len,
-                options.batches,
-                options.contexts,
-                parse_formats(options.formats)};
-}
-
-// The sweep of docs/cpu-performance.md (and docs/cuda.md for the GPU): every format on the
-// Llama-3-8B layer (Hq 32, Hk 8, D 128) from 8k to 128k tokens at the batches the targets name,
-// speculative verify (q_len 4) and short contexts beside it, and the wider shapes reported.
-std::vector<Series> sweep_series(bool on_gpu) {
-  const std::vector<Format> all(std::begin(kAllFormats), std::end(kAllFormats));
-  const std::vector<int> batches = on_gpu ? std::vector<int>{1, 16, 64} : std::vector<int>{1, 8};
-  const Heads llama{32, 8};
-  return {
-      {"long", llama, 128, 1, batches, {8192, 32768, 131072}, all},
-      {"q_len4", llama, 128, 4, batches, {32768}, all},
-      {"short", llama, 128, 1, {1}, {256, 512, 1024}, all},
-      {"hq64", Heads{64, 8}, 128, 1, {batches.back()}, {32768}, all},
-      {"d256", llama, 256, 1, {batches.back()}, {32768}, all},
-  };
-}
-
-// bench/results/<backend>-sweep-<date>-<machine>[-q<mode>][-p<mode>].json: the machine named by
-// its CPU (or GPU) model without trademark signs ("Intel(R) Xeon(R)" -> intel-xeon), lower case,
-// runs of other characters as one '-'; the Q and P modes named where they are not fp32.
-std::string sweep_results_path(const std::string& dir, const std::string& backend,
-                               const std::string& date, const std::string& machine,
-                               const DecodeParams& params) {
-  std::string model = machine;
-  for (const std::string mark : {"(R)", "(r)", "(TM)", "(tm)"}) {
-    for (std::size_t at = model.find(mark); at != std::string::npos; at = model.find(mark, at)) {
-      model.erase(at, mark.size());
-    }
-  }
-  std::string slug;
-  for (const char c : model) {
-    if (std::isalnum(static_cast<unsigned char>(c))) {
-      slug += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-    } else if (!slug.empty() && slug.back() != '-') {
-      slug += '-';
-    }
-  }
-  while (!slug.empty() && slug.back() == '-') slug.pop_back();
-  std::string modes;
-  if (params.q_mode != QMode::fp32) modes += "-q" + std::string(to_string(params.q_mode));
-  if (params.p_mode != PMode::fp32) modes += "-p" + std::string(to_string(params.p_mode));
-  return dir + "/" + backend + "-sweep-" + date + "-" + (slug.empty() ? "unknown" : slug) + modes +
-         ".json";
-}
-
 std::size_t copies_memory_limit() {
   const std::size_t available = available_memory_bytes();
   if (available == 0) return 4 * kGiB;  // /proc/meminfo unreadable: stay modest
   return std::min(kMaxCopiesBytes, static_cast<std::size_t>(kMemoryShare * available));
 }
-
-// One measured configuration: a row of the table and an entry of the JSON results.
-struct Row {
-  std::string backend;
-  std::string series;
-  verify::ProblemSpec spec;  // the whole step: format, layout, heads, modes, seq_lens
-  Measurement measurement;
-  double gbps = 0;
-  // The limit this row is divided by: on the CPU the read bandwidth measured right after the
-  // row's timing (on a shared host it moves by 2x within minutes, and with it the step's own
-  // rate), on the GPU the card's copy bandwidth measured at the start.
-  double limit_gbps = 0;
-  double bandwidth_fraction = 0;
-  double floor_us = 0;  // the KV bytes at the measured limit: no step can be faster
-  double rel_error_vs_exact = 0;
-  bool qk_bf16_dot = false;  // the CPU ran Q . K on bf16 dot products (cpu/attention_kernel.h)
-
-  int batch() const { return static_cast<int>(spec.seq_lens.size()); }
-  int context() const { return spec.seq_lens.empty() ? 0 : spec.seq_lens[0]; }
-};
 
 verify::ProblemSpec base_spec(const BenchOptions& options, const Series& series) {
   const Heads& heads = series.heads;
@@ -337,52 +218,6 @@ std::optional<Row> measure(const Backend& host_backend, bool on_gpu,
   row.floor_us = static_cast<double>(row.measurement.kv_bytes) / (row.limit_gbps * 1e9) * 1e6;
   row.rel_error_vs_exact = error_vs_exact(host_backend, spec, plan_options);
   return row;
-}
-
-void print_table_header() {
-  std::printf("%-9s %6s %8s %6s %12s %10s %8s %8s %7s %10s\n", "format", "batch", "context",
-              "q_len", "median_us", "KV_MiB", "GB/s", "limit", "of_bw", "err_exact");
-  std::fflush(stdout);
-}
-
-void print_row(const Row& row) {
-  std::printf("%-9s %6d %8d %6d %12.1f %10.1f %8.2f %8.2f %6.0f%% %10.2e\n",
-              std::string(to_string(row.spec.format)).c_str(), row.batch(), row.context(),
-              row.spec.params.q_len, row.measurement.timing.median_us,
-              static_cast<double>(row.measurement.kv_bytes) / kMiB, row.gbps, row.limit_gbps,
-              100 * row.bandwidth_fraction, row.rel_error_vs_exact);
-  std::fflush(stdout);
-}
-
-nlohmann::ordered_json to_json(const Row& row) {
-  const verify::ProblemSpec& spec = row.spec;
-  return {
-      {"backend", row.backend},
-      {"series", row.series},
-      {"format", std::string(to_string(spec.format))},
-      {"batch", row.batch()},
-      {"context", row.context()},
-      {"q_len", spec.params.q_len},
-      {"hq", spec.num_kv_heads * spec.group},
-      {"hk", spec.num_kv_heads},
-      {"d", spec.head_dim},
-      {"page", spec.page_size},
-      {"layout", std::string(to_string(spec.layout))},
-      {"granularity", std::string(to_string(spec.granularity))},
-      {"q_mode", std::string(to_string(spec.params.q_mode))},
-      {"p_mode", std::string(to_string(spec.params.p_mode))},
-      {"qk_bf16_dot", row.qk_bf16_dot},
-      {"median_us", row.measurement.timing.median_us},
-      {"runs", row.measurement.timing.runs},
-      {"kv_bytes", row.measurement.kv_bytes},
-      {"working_set_bytes", row.measurement.working_set_bytes},
-      {"copies", row.measurement.copies},
-      {"floor_us", row.floor_us},
-      {"gbps", row.gbps},
-      {"limit_gbps", row.limit_gbps},
-      {"bandwidth_fraction", row.bandwidth_fraction},
-      {"rel_error_vs_exact", row.rel_error_vs_exact},
-  };
 }
 
 // CLI11's PositiveNumber and NonNegativeNumber print the whole range of a double ("0.000000 to
