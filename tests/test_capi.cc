@@ -523,6 +523,58 @@ TEST(CapiWriteKv, EqualsTheCppApiForEveryFormatAndLayout) {
   }
 }
 
+// bf16 K and V (mjolnir_write_kv_rows, MJOLNIR_ROWS_BF16) write the bytes and maxima of their
+// float32 widening through mjolnir_write_kv, for every format; a row_type outside the enum is
+// refused by name with nothing written.
+TEST(CapiWriteKv, Bf16RowsWriteAsTheirFloat32Widening) {
+  auto rng = make_rng();
+  for (std::int32_t format = 0; format < 8; ++format) {
+    SCOPED_TRACE(mjolnir_format_name(format));
+    TestCache as_bf16;
+    as_bf16.format = format;
+    as_bf16.granularity = MJOLNIR_GRANULARITY_CHANNEL;
+    as_bf16.create(rng);
+    const int hk = as_bf16.num_kv_heads, d = as_bf16.head_dim, num_tokens = 24;
+    const std::int64_t head_stride = d + 2, token_stride = hk * head_stride + 6;
+    std::vector<std::uint16_t> k16(std::size_t(num_tokens) * token_stride),
+        v16(std::size_t(num_tokens) * token_stride);
+    std::vector<float> k32(k16.size()), v32(v16.size());
+    const auto k_src = random_floats(rng, k16.size(), -2, 2);
+    const auto v_src = random_floats(rng, v16.size(), -2, 2);
+    for (std::size_t i = 0; i < k16.size(); ++i) {
+      k16[i] = mjolnir::bf16_from_float(k_src[i]);
+      v16[i] = mjolnir::bf16_from_float(v_src[i]);
+      k32[i] = mjolnir::bf16_to_float(k16[i]);
+      v32[i] = mjolnir::bf16_to_float(v16[i]);
+    }
+    std::vector<std::int64_t> slots(num_tokens);
+    for (int i = 0; i < num_tokens; ++i) slots[i] = 3 * i + 1;
+    std::vector<float> k_amax16(std::size_t(hk) * d, 0.0f), v_amax16(k_amax16);
+    std::vector<float> k_amax32(k_amax16), v_amax32(k_amax16);
+    ASSERT_OK(mjolnir_write_kv_rows(
+        as_bf16.handle.get(), MJOLNIR_ROWS_BF16, k16.data(), token_stride, head_stride, v16.data(),
+        token_stride, head_stride, slots.data(), num_tokens, k_amax16.data(), v_amax16.data()));
+    // The float write through the same cache description, into a pool of its own.
+    mjolnir::KvCacheView view = as_bf16.view();
+    std::vector<std::byte> pool32(as_bf16.pool.size(), std::byte{0});
+    view.data = pool32.data();
+    mjolnir::AmaxRecorder recorder{k_amax32, v_amax32};
+    mjolnir::write_kv(view, {k32.data(), token_stride, head_stride},
+                      {v32.data(), token_stride, head_stride}, slots, &recorder);
+    EXPECT_TRUE(as_bf16.pool == pool32) << "pools differ";
+    EXPECT_EQ(k_amax16, k_amax32);
+    EXPECT_EQ(v_amax16, v_amax32);
+
+    const std::vector<std::byte> before = as_bf16.pool;
+    expect_failure(mjolnir_write_kv_rows(as_bf16.handle.get(), 2, k16.data(), token_stride,
+                                         head_stride, v16.data(), token_stride, head_stride,
+                                         slots.data(), num_tokens, nullptr, nullptr),
+                   MJOLNIR_ERROR_INVALID_ARGUMENT, "mjolnir_write_kv_rows", "row_type",
+                   message_of(mjolnir_cache_last_error, as_bf16.handle.get()));
+    EXPECT_TRUE(as_bf16.pool == before) << "a rejected write changed the pool";
+  }
+}
+
 TEST(CapiWriteKv, RejectsBadArgumentsAndWritesNothing) {
   auto rng = make_rng();
   TestCache cache;

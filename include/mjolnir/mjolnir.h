@@ -210,6 +210,16 @@ MJOLNIR_API const char* mjolnir_cache_last_error(const mjolnir_cache* cache);
 /* The byte strides in use (page, head, token, kv): the named layout's, or desc's. */
 MJOLNIR_API mjolnir_status mjolnir_cache_strides(mjolnir_cache* cache, int64_t strides[4]);
 
+/* The element type of the float rows the library reads and writes: k and v of
+ * mjolnir_write_kv_rows, q and o of mjolnir_decode_args. */
+typedef enum mjolnir_row_type {
+  MJOLNIR_ROWS_F32 = 0, /* float */
+  /* bf16 bits in uint16_t (a bf16 model's own tensors): an input row is its float32 widening,
+   * exactly; an output row (o) is the float32 result rounded to nearest even (NaN as 0x7FC0),
+   * bit for bit. */
+  MJOLNIR_ROWS_BF16 = 1
+} mjolnir_row_type;
+
 /* Quantizes new tokens into their cache slots, as vLLM's reshape_and_cache_flash does.
  *   k, v: float32 [num_tokens, Hk, D], channels contiguous, strides in elements.
  *   slot_mapping: int64 [num_tokens], slot = page * page_size + offset; negative = skip.
@@ -222,6 +232,14 @@ MJOLNIR_API mjolnir_status mjolnir_write_kv(mjolnir_cache* cache, const float* k
                                             const float* v, int64_t v_token_stride,
                                             int64_t v_head_stride, const int64_t* slot_mapping,
                                             int64_t num_tokens, float* k_amax, float* v_amax);
+/* The same with k and v of row_type (mjolnir_row_type): MJOLNIR_ROWS_BF16 writes a bf16 model's
+ * K and V as they are, the cache bytes those of their float32 widening. */
+MJOLNIR_API mjolnir_status mjolnir_write_kv_rows(mjolnir_cache* cache, int32_t row_type,
+                                                 const void* k, int64_t k_token_stride,
+                                                 int64_t k_head_stride, const void* v,
+                                                 int64_t v_token_stride, int64_t v_head_stride,
+                                                 const int64_t* slot_mapping, int64_t num_tokens,
+                                                 float* k_amax, float* v_amax);
 
 /* ---- backends ------------------------------------------------------------------------------- */
 
@@ -317,14 +335,6 @@ static inline void mjolnir_decode_params_init(mjolnir_decode_params* params) {
   params->q_mode = MJOLNIR_Q_FP32;
   params->p_mode = MJOLNIR_P_FP32;
 }
-
-/* The element type of q and o in mjolnir_decode_args. */
-typedef enum mjolnir_row_type {
-  MJOLNIR_ROWS_F32 = 0, /* float */
-  /* bf16 bits in uint16_t (a bf16 model's own tensors): q is its float32 widening, exactly; o is
-   * the float32 result rounded to nearest even (NaN as 0x7FC0), bit for bit. */
-  MJOLNIR_ROWS_BF16 = 1
-} mjolnir_row_type;
 
 /* The tensors of one step. Query and output token row b * q_len + t belongs to query token t of
  * sequence b; D channels are contiguous. */

@@ -59,6 +59,37 @@ std::vector<float> copy_scales(const float* values, std::int64_t count, const ch
   return std::vector<float>(values, values + count);
 }
 
+// mjolnir_write_kv and mjolnir_write_kv_rows: the handle and arguments checked, then the
+// library's write_kv (which checks the rows, slots and values before writing a byte).
+void write_kv_rows(mjolnir_cache* cache, std::int32_t row_type, const void* k,
+                   std::int64_t k_token_stride, std::int64_t k_head_stride, const void* v,
+                   std::int64_t v_token_stride, std::int64_t v_head_stride,
+                   const std::int64_t* slot_mapping, std::int64_t num_tokens, float* k_amax,
+                   float* v_amax) {
+  const mjolnir_cache& c = require_handle(cache, "cache");
+  if (row_type != MJOLNIR_ROWS_F32 && row_type != MJOLNIR_ROWS_BF16) {
+    fail(MJOLNIR_ERROR_INVALID_ARGUMENT, "row_type: ", row_type,
+         " is not a mjolnir_row_type (MJOLNIR_ROWS_F32 0, MJOLNIR_ROWS_BF16 1)");
+  }
+  if (num_tokens < 0) {
+    fail(MJOLNIR_ERROR_INVALID_ARGUMENT, "num_tokens: ", num_tokens, " is negative");
+  }
+  if (num_tokens > 0) require_pointer(slot_mapping, "slot_mapping");
+  if ((k_amax == nullptr) != (v_amax == nullptr)) {
+    fail(MJOLNIR_ERROR_INVALID_ARGUMENT, k_amax == nullptr ? "k_amax" : "v_amax", ": is NULL but ",
+         k_amax == nullptr ? "v_amax" : "k_amax", " is not (pass both to record amax, or neither)");
+  }
+  const CacheGeometry& geometry = c.view.geometry;
+  const std::size_t amax_count = std::size_t(geometry.num_kv_heads) * geometry.head_dim;
+  AmaxRecorder amax{{k_amax, k_amax != nullptr ? amax_count : 0},
+                    {v_amax, v_amax != nullptr ? amax_count : 0}};
+  const RowType type = row_type == MJOLNIR_ROWS_BF16 ? RowType::bf16 : RowType::f32;
+  write_kv(c.view, TokenRows{k, k_token_stride, k_head_stride, type},
+           TokenRows{v, v_token_stride, v_head_stride, type},
+           std::span<const std::int64_t>(slot_mapping, std::size_t(num_tokens)),
+           k_amax != nullptr ? &amax : nullptr);
+}
+
 }  // namespace
 }  // namespace mjolnir::capi
 
@@ -120,30 +151,26 @@ MJOLNIR_API mjolnir_status mjolnir_cache_strides(mjolnir_cache* cache, int64_t s
   });
 }
 
+MJOLNIR_API mjolnir_status mjolnir_write_kv_rows(mjolnir_cache* cache, int32_t row_type,
+                                                 const void* k, int64_t k_token_stride,
+                                                 int64_t k_head_stride, const void* v,
+                                                 int64_t v_token_stride, int64_t v_head_stride,
+                                                 const int64_t* slot_mapping, int64_t num_tokens,
+                                                 float* k_amax, float* v_amax) {
+  return call("mjolnir_write_kv_rows", cache != nullptr ? &cache->error : nullptr, [&] {
+    write_kv_rows(cache, row_type, k, k_token_stride, k_head_stride, v, v_token_stride,
+                  v_head_stride, slot_mapping, num_tokens, k_amax, v_amax);
+  });
+}
+
 MJOLNIR_API mjolnir_status mjolnir_write_kv(mjolnir_cache* cache, const float* k,
                                             int64_t k_token_stride, int64_t k_head_stride,
                                             const float* v, int64_t v_token_stride,
                                             int64_t v_head_stride, const int64_t* slot_mapping,
                                             int64_t num_tokens, float* k_amax, float* v_amax) {
   return call("mjolnir_write_kv", cache != nullptr ? &cache->error : nullptr, [&] {
-    const mjolnir_cache& c = require_handle(cache, "cache");
-    if (num_tokens < 0) {
-      fail(MJOLNIR_ERROR_INVALID_ARGUMENT, "num_tokens: ", num_tokens, " is negative");
-    }
-    if (num_tokens > 0) require_pointer(slot_mapping, "slot_mapping");
-    if ((k_amax == nullptr) != (v_amax == nullptr)) {
-      fail(MJOLNIR_ERROR_INVALID_ARGUMENT, k_amax == nullptr ? "k_amax" : "v_amax",
-           ": is NULL but ", k_amax == nullptr ? "v_amax" : "k_amax",
-           " is not (pass both to record amax, or neither)");
-    }
-    const CacheGeometry& geometry = c.view.geometry;
-    const std::size_t amax_count = std::size_t(geometry.num_kv_heads) * geometry.head_dim;
-    AmaxRecorder amax{{k_amax, k_amax != nullptr ? amax_count : 0},
-                      {v_amax, v_amax != nullptr ? amax_count : 0}};
-    write_kv(c.view, TokenRows{k, k_token_stride, k_head_stride},
-             TokenRows{v, v_token_stride, v_head_stride},
-             std::span<const std::int64_t>(slot_mapping, std::size_t(num_tokens)),
-             k_amax != nullptr ? &amax : nullptr);
+    write_kv_rows(cache, MJOLNIR_ROWS_F32, k, k_token_stride, k_head_stride, v, v_token_stride,
+                  v_head_stride, slot_mapping, num_tokens, k_amax, v_amax);
   });
 }
 
