@@ -167,9 +167,10 @@ def test_decode_dtypes_and_decode_into(gen):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_rows_convert_as_torch_does(gen, dtype):
-    """The ops' own conversions of 16-bit Q and output rows (tensor_views.cpp) against torch's:
-    Q widened exactly, the output rounded to nearest even as Tensor.to rounds it, NaN included
-    (a poisoned row)."""
+    """16-bit Q and output rows against torch's conversions: Q widened exactly, the output
+    rounded to nearest even as Tensor.to rounds it, NaN included (a poisoned row). bf16 rows go
+    to the CPU backend as they are (its kernel widens and rounds them), fp16 rows through the
+    ops' own conversions (tensor_views.cpp)."""
     p = Problem(gen, "fp8_e4m3", "BHN2D", 2, "head")
     args = (p.kv_cache, p.block_table, p.seq_lens, p.k_scale, p.v_scale, p.fmt, 2, "BHN2D")
     q16 = p.q.to(dtype)

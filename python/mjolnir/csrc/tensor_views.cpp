@@ -16,6 +16,7 @@
 #include <sstream>
 #include <utility>
 
+#include "core/bf16_rows.h"
 #include "mjolnir/error.h"
 #include "mjolnir/format.h"
 #include "torch_executor.h"
@@ -55,27 +56,24 @@ std::size_t byte_extent(const at::Tensor& t) {
   return std::size_t(elements) * t.element_size();
 }
 
-// One row's channels to float32 and back, run for a step's Q and O rows on every call. bf16 goes
-// through its bits, branch-free, so the loops vectorize (c10::BFloat16's conversion from float
-// tests for NaN with a branch); the rounding is c10's: to nearest even, NaN as 0x7FC0
+// One row's channels to float32 and back, for the rows the library does not take as they are
+// (fp16, a bf16 tensor for the CUDA backend). bf16 goes through its bits, branch-free, so the
+// loops vectorize (c10::BFloat16's conversion from float tests for NaN with a branch), with the
+// library's rounding (core/bf16_rows.h), which is c10's: to nearest even, NaN as 0x7FC0
 // (test_ops.py's test_half_rows_convert_as_torch_does).
 template <class T>
 void row_to_float(const T* __restrict s, float* __restrict o, std::int64_t d) {
   for (std::int64_t c = 0; c < d; ++c) o[c] = static_cast<float>(s[c]);
 }
 inline void row_to_float(const c10::BFloat16* __restrict s, float* __restrict o, std::int64_t d) {
-  for (std::int64_t c = 0; c < d; ++c) o[c] = std::bit_cast<float>(std::uint32_t(s[c].x) << 16);
+  for (std::int64_t c = 0; c < d; ++c) o[c] = bf16_to_float(s[c].x);
 }
 template <class T>
 void row_from_float(const float* __restrict s, T* __restrict o, std::int64_t d) {
   for (std::int64_t c = 0; c < d; ++c) o[c] = T(s[c]);
 }
 inline void row_from_float(const float* __restrict s, c10::BFloat16* __restrict o, std::int64_t d) {
-  for (std::int64_t c = 0; c < d; ++c) {
-    const std::uint32_t u = std::bit_cast<std::uint32_t>(s[c]);
-    const std::uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-    o[c].x = (u & 0x7FFFFFFFu) > 0x7F800000u ? std::uint16_t(0x7FC0) : std::uint16_t(rounded);
-  }
+  for (std::int64_t c = 0; c < d; ++c) o[c].x = bf16_from_float(s[c]);
 }
 
 // Rows per task of a conversion: about 16K values, so that a decode step's few rows (8 sequences
