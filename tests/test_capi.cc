@@ -22,6 +22,7 @@
 #include <memory>
 #include <new>
 #include <random>
+#include <span>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -479,6 +480,24 @@ TEST(CapiCache, StridesRejectsNullArguments) {
 
 // ---- write_kv ---------------------------------------------------------------------------------
 
+// The C++ write_kv of float32 k and v through the same cache description, into a pool of its
+// own: its bytes and amax must be what the C call left in `cache` and in k_amax / v_amax.
+void expect_cpp_write_equals(const TestCache& cache, const float* k, const float* v,
+                             std::int64_t token_stride, std::int64_t head_stride,
+                             std::span<const std::int64_t> slots, const std::vector<float>& k_amax,
+                             const std::vector<float>& v_amax) {
+  std::vector<std::byte> cpp_pool(cache.pool.size(), std::byte{0});
+  mjolnir::KvCacheView view = cache.view();
+  view.data = cpp_pool.data();
+  std::vector<float> cpp_k_amax(k_amax.size(), 0.0f), cpp_v_amax(v_amax.size(), 0.0f);
+  mjolnir::AmaxRecorder recorder{cpp_k_amax, cpp_v_amax};
+  mjolnir::write_kv(view, {k, token_stride, head_stride}, {v, token_stride, head_stride}, slots,
+                    &recorder);
+  EXPECT_TRUE(cache.pool == cpp_pool) << "pools differ";
+  EXPECT_EQ(k_amax, cpp_k_amax);
+  EXPECT_EQ(v_amax, cpp_v_amax);
+}
+
 TEST(CapiWriteKv, EqualsTheCppApiForEveryFormatAndLayout) {
   auto rng = make_rng();
   for (std::int32_t format = 0; format < 8; ++format) {
@@ -507,16 +526,8 @@ TEST(CapiWriteKv, EqualsTheCppApiForEveryFormatAndLayout) {
                                  token_stride, head_stride, slots.data(), num_tokens, k_amax.data(),
                                  v_amax.data()));
 
-      std::vector<std::byte> cpp_pool(cache.pool.size(), std::byte{0});
-      mjolnir::KvCacheView view = cache.view();
-      view.data = cpp_pool.data();
-      std::vector<float> cpp_k_amax(k_amax.size(), 0.0f), cpp_v_amax(k_amax.size(), 0.0f);
-      mjolnir::AmaxRecorder recorder{cpp_k_amax, cpp_v_amax};
-      mjolnir::write_kv(view, {k.data(), token_stride, head_stride},
-                        {v.data(), token_stride, head_stride}, slots, &recorder);
-      EXPECT_TRUE(cache.pool == cpp_pool) << "pools differ";
-      EXPECT_EQ(k_amax, cpp_k_amax);
-      EXPECT_EQ(v_amax, cpp_v_amax);
+      expect_cpp_write_equals(cache, k.data(), v.data(), token_stride, head_stride, slots, k_amax,
+                              v_amax);
       EXPECT_TRUE(std::any_of(cache.pool.begin(), cache.pool.end(),
                               [](std::byte b) { return b != std::byte{0}; }));
     }
@@ -550,20 +561,11 @@ TEST(CapiWriteKv, Bf16RowsWriteAsTheirFloat32Widening) {
     std::vector<std::int64_t> slots(num_tokens);
     for (int i = 0; i < num_tokens; ++i) slots[i] = 3 * i + 1;
     std::vector<float> k_amax16(std::size_t(hk) * d, 0.0f), v_amax16(k_amax16);
-    std::vector<float> k_amax32(k_amax16), v_amax32(k_amax16);
     ASSERT_OK(mjolnir_write_kv_rows(
         as_bf16.handle.get(), MJOLNIR_ROWS_BF16, k16.data(), token_stride, head_stride, v16.data(),
         token_stride, head_stride, slots.data(), num_tokens, k_amax16.data(), v_amax16.data()));
-    // The float write through the same cache description, into a pool of its own.
-    mjolnir::KvCacheView view = as_bf16.view();
-    std::vector<std::byte> pool32(as_bf16.pool.size(), std::byte{0});
-    view.data = pool32.data();
-    mjolnir::AmaxRecorder recorder{k_amax32, v_amax32};
-    mjolnir::write_kv(view, {k32.data(), token_stride, head_stride},
-                      {v32.data(), token_stride, head_stride}, slots, &recorder);
-    EXPECT_TRUE(as_bf16.pool == pool32) << "pools differ";
-    EXPECT_EQ(k_amax16, k_amax32);
-    EXPECT_EQ(v_amax16, v_amax32);
+    expect_cpp_write_equals(as_bf16, k32.data(), v32.data(), token_stride, head_stride, slots,
+                            k_amax16, v_amax16);
 
     const std::vector<std::byte> before = as_bf16.pool;
     expect_failure(mjolnir_write_kv_rows(as_bf16.handle.get(), 2, k16.data(), token_stride,

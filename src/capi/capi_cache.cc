@@ -67,10 +67,7 @@ void write_kv_rows(mjolnir_cache* cache, std::int32_t row_type, const void* k,
                    const std::int64_t* slot_mapping, std::int64_t num_tokens, float* k_amax,
                    float* v_amax) {
   const mjolnir_cache& c = require_handle(cache, "cache");
-  if (row_type != MJOLNIR_ROWS_F32 && row_type != MJOLNIR_ROWS_BF16) {
-    fail(MJOLNIR_ERROR_INVALID_ARGUMENT, "row_type: ", row_type,
-         " is not a mjolnir_row_type (MJOLNIR_ROWS_F32 0, MJOLNIR_ROWS_BF16 1)");
-  }
+  const RowType type = require_row_type(row_type, "row_type");
   if (num_tokens < 0) {
     fail(MJOLNIR_ERROR_INVALID_ARGUMENT, "num_tokens: ", num_tokens, " is negative");
   }
@@ -83,7 +80,6 @@ void write_kv_rows(mjolnir_cache* cache, std::int32_t row_type, const void* k,
   const std::size_t amax_count = std::size_t(geometry.num_kv_heads) * geometry.head_dim;
   AmaxRecorder amax{{k_amax, k_amax != nullptr ? amax_count : 0},
                     {v_amax, v_amax != nullptr ? amax_count : 0}};
-  const RowType type = row_type == MJOLNIR_ROWS_BF16 ? RowType::bf16 : RowType::f32;
   write_kv(c.view, TokenRows{k, k_token_stride, k_head_stride, type},
            TokenRows{v, v_token_stride, v_head_stride, type},
            std::span<const std::int64_t>(slot_mapping, std::size_t(num_tokens)),

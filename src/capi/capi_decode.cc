@@ -358,17 +358,10 @@ MJOLNIR_API mjolnir_status mjolnir_decode(mjolnir_backend* backend, const mjolni
     args.batch.max_pages_per_seq = a.max_pages_per_seq;
     args.batch.seq_lens = {a.seq_lens, std::size_t(a.num_seqs)};
     args.params = decode_params;
-    const auto row_type = [](std::int32_t type, const char* name) {
-      if (type != MJOLNIR_ROWS_F32 && type != MJOLNIR_ROWS_BF16) {
-        fail(MJOLNIR_ERROR_INVALID_ARGUMENT, name, ": ", type,
-             " is not a mjolnir_row_type (MJOLNIR_ROWS_F32 0, MJOLNIR_ROWS_BF16 1)");
-      }
-      return type == MJOLNIR_ROWS_BF16 ? RowType::bf16 : RowType::f32;
-    };
-    args.q =
-        QueryTensor{a.q, a.q_token_stride, a.q_head_stride, row_type(a.q_type, "args->q_type")};
-    args.o =
-        OutputTensor{a.o, a.o_token_stride, a.o_head_stride, row_type(a.o_type, "args->o_type")};
+    args.q = QueryTensor{a.q, a.q_token_stride, a.q_head_stride,
+                         require_row_type(a.q_type, "args->q_type")};
+    args.o = OutputTensor{a.o, a.o_token_stride, a.o_head_stride,
+                          require_row_type(a.o_type, "args->o_type")};
     // [num_seqs * q_len, Hq]: at most 2^31 x 8 x 2^31 floats, so 128 bits before the check.
     const __int128 lse_floats =
         __int128(a.num_seqs) * decode_params.q_len * decode_params.num_q_heads;

@@ -113,6 +113,16 @@ void require_pointer(T* pointer, const char* name) {
   if (pointer == nullptr) fail(MJOLNIR_ERROR_INVALID_ARGUMENT, name, ": is NULL");
 }
 
+// A mjolnir_row_type argument as the library's RowType; another value is
+// MJOLNIR_ERROR_INVALID_ARGUMENT naming it.
+inline RowType require_row_type(std::int32_t type, const char* name) {
+  if (type != MJOLNIR_ROWS_F32 && type != MJOLNIR_ROWS_BF16) {
+    fail(MJOLNIR_ERROR_INVALID_ARGUMENT, name, ": ", type,
+         " is not a mjolnir_row_type (MJOLNIR_ROWS_F32 0, MJOLNIR_ROWS_BF16 1)");
+  }
+  return type == MJOLNIR_ROWS_BF16 ? RowType::bf16 : RowType::f32;
+}
+
 // Reads a versioned input struct that begins with `size`. `v1_size` is the size of the first
 // published version (the end of its last field): fixed forever, so callers built against an old
 // header keep working. Fields past the caller's size stay value-initialized (zero); every

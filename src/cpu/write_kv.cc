@@ -4,13 +4,13 @@
 #include "mjolnir/write_kv.h"
 
 #include <algorithm>
-#include <bit>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <span>
 #include <vector>
 
+#include "core/bf16_rows.h"
 #include "cpu/row_encoder.h"
 #include "mjolnir/error.h"
 #include "mjolnir/format.h"
@@ -36,10 +36,7 @@ struct NamedRows {
   const float* at(std::int64_t token, int head, int head_dim, float* buffer) const {
     if (rows.type == RowType::f32)
       return static_cast<const float*>(rows.data) + offset(token, head);
-    const std::uint16_t* bits = bf16_bits(token, head);
-    for (int c = 0; c < head_dim; ++c) {
-      buffer[c] = std::bit_cast<float>(std::uint32_t(bits[c]) << 16);
-    }
+    widen_row(bf16_bits(token, head), RowType::bf16, buffer, std::size_t(head_dim));
     return buffer;
   }
 
