@@ -26,6 +26,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "core/format_table.h"
 #include "mjolnir/error.h"
 #include "mjolnir/format.h"
 
@@ -420,9 +421,12 @@ TEST(FormatValues, Properties) {
       std::bit_cast<float>(0x7F7F'0000u), 65504, 448, 57344, 7.5f, 28, 6, 6 * 448};
   const bool quantized[] = {false, false, true, true, true, true, true, true};
   const std::size_t bytes_for_128[] = {256, 256, 128, 128, 96, 96, 64, 64 + 8};
+  // Half an ulp of 1 relative: 2^-(mantissa bits + 1), the error bounds' unit roundoff.
+  const int roundoff_exponents[] = {-8, -11, -4, -3, -4, -3, -2, -2};
   for (const Format format : kAllFormats) {
     const auto i = static_cast<std::size_t>(format);
     SCOPED_TRACE(std::string(to_string(format)));
+    EXPECT_EQ(format_facts(format).unit_roundoff(), std::ldexp(1.0, roundoff_exponents[i]));
     EXPECT_EQ(element_bits(format), bits[i]);
     EXPECT_EQ(format_max(format), maxima[i]);
     EXPECT_EQ(is_quantized(format), quantized[i]);
@@ -816,6 +820,12 @@ TEST(FormatArguments, UnknownFormatValueThrows) {
   std::vector<float> values(32, 1.0f);
   std::vector<std::byte> row(64);
   expect_error_naming("format", [&] { encode_row(bogus, values, row); });
+  expect_error_naming("format", [&] { format_max(bogus); });
+  expect_error_naming("format", [&] { is_quantized(bogus); });
+  expect_error_naming("cache.geometry.format", [&] {
+    visit_format(
+        bogus, []<Format>() {}, "cache.geometry.format");
+  });
 }
 
 }  // namespace

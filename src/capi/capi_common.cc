@@ -17,9 +17,7 @@ static_assert(std::string_view(kHeaderVersion) == MJOLNIR_VERSION_STRING,
 #endif
 
 // The C values, indexed by value; the C++ enums are looked up by position in these tables.
-constexpr Format kFormats[] = {Format::bf16,     Format::fp16,     Format::fp8_e4m3,
-                               Format::fp8_e5m2, Format::fp6_e2m3, Format::fp6_e3m2,
-                               Format::fp4_e2m1, Format::nvfp4};
+constexpr const auto& kFormats = kAllFormats;
 static_assert(MJOLNIR_FORMAT_NVFP4 == 7 && std::size(kFormats) == 8);
 constexpr ScaleGranularity kGranularities[] = {ScaleGranularity::tensor, ScaleGranularity::head,
                                                ScaleGranularity::channel};

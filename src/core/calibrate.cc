@@ -16,6 +16,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/format_table.h"
 #include "mjolnir/error.h"
 
 namespace mjolnir {
@@ -260,7 +261,8 @@ ScaleGranularity recommended_granularity(Format format) {
   if (!is_quantized(format)) return ScaleGranularity::tensor;
   // nvfp4's block scales (one per 16 channels of a token) already follow the outlier channels:
   // a per-channel outer scale on top measured worse than a per-head one (docs/accuracy.md).
-  return format == Format::nvfp4 ? ScaleGranularity::head : ScaleGranularity::channel;
+  return format_facts(format).has_block_scales() ? ScaleGranularity::head
+                                                 : ScaleGranularity::channel;
 }
 
 std::vector<float> scales_from_amax(std::span<const float> amax, Format format,

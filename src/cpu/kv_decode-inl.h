@@ -36,7 +36,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
+#include "core/format_table.h"
 #include "core/minifloat.h"
 #include "cpu/codec_tables.h"
 #include "hwy/highway.h"
@@ -632,28 +634,34 @@ void ChannelOrder(std::size_t head_dim, std::int32_t* channel_of) {
   }
 }
 
+// This target's decoder of each format (whose facts are core/format_table.h's).
+template <Format kFormat>
+struct FormatDecoder;
+template <>
+struct FormatDecoder<Format::bf16> : std::type_identity<DecodeBf16> {};
+template <>
+struct FormatDecoder<Format::fp16> : std::type_identity<DecodeFp16> {};
+template <>
+struct FormatDecoder<Format::fp8_e4m3> : std::type_identity<DecodeE4M3> {};
+template <>
+struct FormatDecoder<Format::fp8_e5m2> : std::type_identity<DecodeE5M2> {};
+template <>
+struct FormatDecoder<Format::fp6_e2m3> : std::type_identity<DecodeE2M3> {};
+template <>
+struct FormatDecoder<Format::fp6_e3m2> : std::type_identity<DecodeE3M2> {};
+template <>
+struct FormatDecoder<Format::fp4_e2m1> : std::type_identity<DecodeE2M1> {};
+template <>
+struct FormatDecoder<Format::nvfp4> : std::type_identity<DecodeNvfp4> {};
+template <Format kFormat>
+using KvDecoder = typename FormatDecoder<kFormat>::type;
+
 // Calls visit.template operator()<Decoder>() with the decoder of `format`.
 template <class Visitor>
 HWY_INLINE decltype(auto) VisitDecoder(Format format, Visitor&& visit) {
-  switch (format) {
-    case Format::bf16:
-      return visit.template operator()<DecodeBf16>();
-    case Format::fp16:
-      return visit.template operator()<DecodeFp16>();
-    case Format::fp8_e4m3:
-      return visit.template operator()<DecodeE4M3>();
-    case Format::fp8_e5m2:
-      return visit.template operator()<DecodeE5M2>();
-    case Format::fp6_e2m3:
-      return visit.template operator()<DecodeE2M3>();
-    case Format::fp6_e3m2:
-      return visit.template operator()<DecodeE3M2>();
-    case Format::fp4_e2m1:
-      return visit.template operator()<DecodeE2M1>();
-    case Format::nvfp4:
-      break;
-  }
-  return visit.template operator()<DecodeNvfp4>();
+  return visit_format(format, [&]<Format kFormat>() -> decltype(auto) {
+    return visit.template operator()<KvDecoder<kFormat>>();
+  });
 }
 
 #endif  // !MJOLNIR_PORTABLE_TARGET

@@ -16,6 +16,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "core/format_table.h"
 #include "core/minifloat.h"
 #include "cpu/row_encoder.h"
 
@@ -94,36 +95,27 @@ void EncodeWholeBytes(const float* scaled, std::byte* out) {
 }
 
 // Codes of 6 or 4 bits packed into the row (format.h's bit order).
-template <MinifloatSpec kSpec>
+template <Format kFormat>
 void PackCodes(const std::uint32_t* codes, std::size_t first, std::byte* row) {
-  if constexpr (kSpec.total_bits() == 6) {
-    std::byte* out = row + first / 4 * 3;
-    for (std::size_t i = 0; i < kGroup; i += 4) {
-      const std::uint32_t word =
-          codes[i] | codes[i + 1] << 6 | codes[i + 2] << 12 | codes[i + 3] << 18;
-      out[i / 4 * 3] = std::byte(word & 0xFF);
-      out[i / 4 * 3 + 1] = std::byte((word >> 8) & 0xFF);
-      out[i / 4 * 3 + 2] = std::byte(word >> 16);
-    }
-  } else {
-    static_assert(kSpec.total_bits() == 4);
-    for (std::size_t i = 0; i < kGroup; i += 2) {
-      row[(first + i) / 2] = std::byte(codes[i] | codes[i + 1] << 4);
-    }
+  constexpr std::size_t kChannels = kFormatFacts<kFormat>.channels_per_group();
+  for (std::size_t i = 0; i < kGroup; i += kChannels) {
+    write_packed_group<kFormatFacts<kFormat>.packing>(codes + i, (first + i) / kChannels, row);
   }
 }
 
-template <MinifloatSpec kSpec>
+template <Format kFormat>
 void EncodePlain(std::span<const float> values, std::span<const float> scales, std::byte* row) {
+  constexpr MinifloatSpec kSpec = kFormatFacts<kFormat>.element;
+  constexpr CodePacking kPacking = kFormatFacts<kFormat>.packing;
   alignas(64) float scaled[kGroup];
   alignas(64) std::uint32_t codes[kGroup];
   for (std::size_t first = 0; first < values.size(); first += kGroup) {
     ScaleGroup(values.data(), scales, first, scaled);
-    if constexpr (kSpec.total_bits() == 16 || kSpec.total_bits() == 8) {
+    if constexpr (kPacking == CodePacking::u16_le || kPacking == CodePacking::byte) {
       EncodeWholeBytes<kSpec>(scaled, row + first * (kSpec.total_bits() / 8));
     } else {
       EncodeGroup<kSpec>(scaled, codes);
-      PackCodes<kSpec>(codes, first, row);
+      PackCodes<kFormat>(codes, first, row);
     }
   }
 }
@@ -169,24 +161,13 @@ void EncodeNvfp4(std::span<const float> values, std::span<const float> scales, s
 void EncodeScaledRow(Format format, std::span<const float> values, std::span<const float> scales,
                      std::span<std::byte> row) {
   std::byte* out = row.data();
-  switch (format) {
-    case Format::bf16:
-      return EncodePlain<kBf16Spec>(values, scales, out);
-    case Format::fp16:
-      return EncodePlain<kFp16Spec>(values, scales, out);
-    case Format::fp8_e4m3:
-      return EncodePlain<kE4M3Spec>(values, scales, out);
-    case Format::fp8_e5m2:
-      return EncodePlain<kE5M2Spec>(values, scales, out);
-    case Format::fp6_e2m3:
-      return EncodePlain<kE2M3Spec>(values, scales, out);
-    case Format::fp6_e3m2:
-      return EncodePlain<kE3M2Spec>(values, scales, out);
-    case Format::fp4_e2m1:
-      return EncodePlain<kE2M1Spec>(values, scales, out);
-    case Format::nvfp4:
-      return EncodeNvfp4(values, scales, out);
-  }
+  visit_format(format, [&]<Format kFormat>() {
+    if constexpr (kFormatFacts<kFormat>.has_block_scales()) {
+      EncodeNvfp4(values, scales, out);
+    } else {
+      EncodePlain<kFormat>(values, scales, out);
+    }
+  });
 }
 
 #endif  // MJOLNIR_PORTABLE_TARGET

@@ -27,6 +27,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "core/format_table.h"
 #include "core/minifloat.h"
 #include "cpu/kv_decode-inl.h"
 #include "hwy/highway.h"
@@ -287,21 +288,16 @@ template <class Visitor>
 HWY_INLINE decltype(auto) VisitKernelDecoder(Format format, std::size_t head_dim,
                                              bool /*avoid_subnormals*/, Visitor&& visit) {
   if (head_dim % kDotChunk == 0) {
-    switch (format) {
-      case Format::fp8_e4m3:
-        return visit.template operator()<DecodeViaWords<DotFp8<kE4M3Spec>>>();
-      case Format::fp8_e5m2:
-        return visit.template operator()<DecodeViaWords<DotFp8<kE5M2Spec>>>();
-      case Format::fp6_e2m3:
-        return visit.template operator()<DecodeViaWords<DotFp6<kE2M3Spec>>>();
-      case Format::fp6_e3m2:
-        return visit.template operator()<DecodeViaWords<DotFp6<kE3M2Spec>>>();
-      case Format::fp4_e2m1:
-      case Format::nvfp4:
-      case Format::bf16:
-      case Format::fp16:
-        break;
-    }
+    return visit_format(format, [&]<Format kFormat>() -> decltype(auto) {
+      constexpr const FormatFacts& kFacts = kFormatFacts<kFormat>;
+      if constexpr (kFacts.quantized && kFacts.packing == CodePacking::byte) {
+        return visit.template operator()<DecodeViaWords<DotFp8<kFacts.element>>>();
+      } else if constexpr (kFacts.packing == CodePacking::fp6_groups) {
+        return visit.template operator()<DecodeViaWords<DotFp6<kFacts.element>>>();
+      } else {
+        return visit.template operator()<KvDecoder<kFormat>>();
+      }
+    });
   }
   return VisitDecoder(format, visit);
 }
@@ -322,23 +318,15 @@ HWY_INLINE decltype(auto) VisitKernelDecoder(Format format, std::size_t, bool av
   }
 #elif MJOLNIR_LIFTED_DECODERS
   if (avoid_subnormals) {
-    switch (format) {
-      case Format::fp8_e4m3:
-        return visit.template operator()<DecodeLifted<DecodeE4M3>>();
-      case Format::fp8_e5m2:
-        return visit.template operator()<DecodeLifted<DecodeE5M2>>();
-      case Format::fp6_e2m3:
-        return visit.template operator()<DecodeLifted<DecodeE2M3>>();
-      case Format::fp6_e3m2:
-        return visit.template operator()<DecodeLifted<DecodeE3M2>>();
-      case Format::fp4_e2m1:
-        return visit.template operator()<DecodeLifted<DecodeE2M1>>();
-      case Format::nvfp4:
+    return visit_format(format, [&]<Format kFormat>() -> decltype(auto) {
+      if constexpr (kFormatFacts<kFormat>.has_block_scales()) {
         return visit.template operator()<DecodeNvfp4Lifted>();
-      case Format::bf16:
-      case Format::fp16:
-        break;
-    }
+      } else if constexpr (kFormatFacts<kFormat>.quantized) {
+        return visit.template operator()<DecodeLifted<KvDecoder<kFormat>>>();
+      } else {
+        return visit.template operator()<KvDecoder<kFormat>>();
+      }
+    });
   }
 #endif
   return VisitDecoder(format, visit);

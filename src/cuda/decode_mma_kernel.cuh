@@ -43,12 +43,12 @@ class MmaDecodeCta : DecodeItem {
   static constexpr int kStep = kMmaStepTokens;
   static constexpr MmaType kType = kFormat == Format::bf16 ? MmaType::bf16 : MmaType::f16;
   static constexpr int kTerms = kType == MmaType::f16 ? 2 : 3;
-  static constexpr int kBits = FormatTraits<kFormat>::kBits;
+  static constexpr int kBits = kFormatFacts<kFormat>.element_bits();
   static constexpr int kElementBytes = kBits / 8;  // 0 for the 4- and 6-bit formats
   static constexpr bool kPacked = kBits < 8;       // contiguous K slices, codes placed into f16
   static constexpr bool kNibbles = kBits == 4;     // fp4_e2m1, nvfp4
   static constexpr bool kSixBit = kBits == 6;      // fp6_e2m3, fp6_e3m2: 4 codes in 3 bytes
-  static constexpr bool kBlockScaled = kFormat == Format::nvfp4;
+  static constexpr bool kBlockScaled = kFormatFacts<kFormat>.has_block_scales();
   static constexpr int kKSteps = kHeadDim / 16;  // k-steps of the QK product
   static constexpr int kNBlocks = kHeadDim / 8;  // n-blocks of the O tile
   static constexpr int kMTiles = kHeadDim / 16;  // M tiles of O^T (tokens_on_m), in o[0..)

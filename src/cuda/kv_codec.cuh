@@ -7,81 +7,29 @@
 
 #include <cstdint>
 
+#include "core/format_table.h"
 #include "core/minifloat.h"
 #include "mjolnir/decode.h"
 #include "mjolnir/format.h"
 
 namespace mjolnir::cuda {
 
-// The element spec and packing of a format, as compile-time constants.
+// A format's element spec and packing: core/format_table.h's kFormatFacts<kFormat>.
 template <Format kFormat>
-struct FormatTraits;
-template <>
-struct FormatTraits<Format::bf16> {
-  static constexpr MinifloatSpec kSpec = kBf16Spec;
-  static constexpr int kBits = 16;
-};
-template <>
-struct FormatTraits<Format::fp16> {
-  static constexpr MinifloatSpec kSpec = kFp16Spec;
-  static constexpr int kBits = 16;
-};
-template <>
-struct FormatTraits<Format::fp8_e4m3> {
-  static constexpr MinifloatSpec kSpec = kE4M3Spec;
-  static constexpr int kBits = 8;
-};
-template <>
-struct FormatTraits<Format::fp8_e5m2> {
-  static constexpr MinifloatSpec kSpec = kE5M2Spec;
-  static constexpr int kBits = 8;
-};
-template <>
-struct FormatTraits<Format::fp6_e2m3> {
-  static constexpr MinifloatSpec kSpec = kE2M3Spec;
-  static constexpr int kBits = 6;
-};
-template <>
-struct FormatTraits<Format::fp6_e3m2> {
-  static constexpr MinifloatSpec kSpec = kE3M2Spec;
-  static constexpr int kBits = 6;
-};
-template <>
-struct FormatTraits<Format::fp4_e2m1> {
-  static constexpr MinifloatSpec kSpec = kE2M1Spec;
-  static constexpr int kBits = 4;
-};
-template <>
-struct FormatTraits<Format::nvfp4> {
-  static constexpr MinifloatSpec kSpec = kE2M1Spec;
-  static constexpr int kBits = 4;
-};
+inline constexpr MinifloatSpec kElementSpec = kFormatFacts<kFormat>.element;
 
 // Code of channel c of a packed row (shared or global memory, byte addressed).
 template <Format kFormat>
 __device__ __forceinline__ std::uint32_t read_code(const std::uint8_t* row, int c) {
-  constexpr int kBits = FormatTraits<kFormat>::kBits;
-  if constexpr (kBits == 16) {
-    return std::uint32_t(row[2 * c]) | std::uint32_t(row[2 * c + 1]) << 8;
-  } else if constexpr (kBits == 8) {
-    return row[c];
-  } else if constexpr (kBits == 6) {
-    const std::uint8_t* group = row + (c >> 2) * 3;
-    const std::uint32_t word =
-        std::uint32_t(group[0]) | std::uint32_t(group[1]) << 8 | std::uint32_t(group[2]) << 16;
-    return (word >> (6 * (c & 3))) & 0x3Fu;
-  } else {
-    static_assert(kBits == 4);
-    return (std::uint32_t(row[c >> 1]) >> (4 * (c & 1))) & 0xFu;
-  }
+  return read_packed_code<kFormatFacts<kFormat>.packing>(row, c);
 }
 
 // Decoded value of channel c of a packed row of `head_dim` channels, before the outer scale
 // (nvfp4: times its block scale, an exact product as on the host).
 template <Format kFormat>
 __device__ __forceinline__ float decode_channel(const std::uint8_t* row, int c, int head_dim) {
-  const float value = decode_minifloat<FormatTraits<kFormat>::kSpec>(read_code<kFormat>(row, c));
-  if constexpr (kFormat == Format::nvfp4) {
+  const float value = decode_minifloat<kElementSpec<kFormat>>(read_code<kFormat>(row, c));
+  if constexpr (kFormatFacts<kFormat>.has_block_scales()) {
     const float block_scale = decode_minifloat<kE4M3Spec>(row[head_dim / 2 + c / kNvfp4BlockSize]);
     return __fmul_rn(value, block_scale);
   } else {
@@ -94,10 +42,9 @@ __device__ __forceinline__ float decode_channel(const std::uint8_t* row, int c, 
 // A row is encoded in independent units: one channel (16- and 8-bit), a group of 4 (fp6, three
 // bytes), a pair (fp4, one byte), or a block of 16 with its scale (nvfp4).
 template <Format kFormat>
-inline constexpr int kChannelsPerUnit = kFormat == Format::nvfp4            ? kNvfp4BlockSize
-                                        : FormatTraits<kFormat>::kBits == 6 ? 4
-                                        : FormatTraits<kFormat>::kBits == 4 ? 2
-                                                                            : 1;
+inline constexpr int kChannelsPerUnit = kFormatFacts<kFormat>.has_block_scales()
+                                            ? kFormatFacts<kFormat>.block_channels
+                                            : kFormatFacts<kFormat>.channels_per_group();
 
 // Writes unit `u` of a packed row of `head_dim` channels; value(c) is channel c already divided
 // by its outer scale. Bit for bit what encode_row() writes (format.cc): the same scalar encoder,
@@ -105,9 +52,8 @@ inline constexpr int kChannelsPerUnit = kFormat == Format::nvfp4            ? kN
 // non-zero block) and codes e2m1(value / decoded scale), true divisions.
 template <Format kFormat, typename Value>
 __device__ void encode_unit(std::uint8_t* row, int u, int head_dim, const Value& value) {
-  constexpr MinifloatSpec kSpec = FormatTraits<kFormat>::kSpec;
-  constexpr int kBits = FormatTraits<kFormat>::kBits;
-  if constexpr (kFormat == Format::nvfp4) {
+  constexpr MinifloatSpec kSpec = kElementSpec<kFormat>;
+  if constexpr (kFormatFacts<kFormat>.has_block_scales()) {
     const int first = u * kNvfp4BlockSize;
     float amax = 0.0f;
     for (int i = 0; i < kNvfp4BlockSize; ++i)
@@ -132,24 +78,11 @@ __device__ void encode_unit(std::uint8_t* row, int u, int head_dim, const Value&
       }
     }
     row[head_dim / 2 + u] = static_cast<std::uint8_t>(scale_code);
-  } else if constexpr (kBits == 16) {
-    const std::uint32_t code = encode_minifloat<kSpec>(value(u));
-    row[2 * u] = static_cast<std::uint8_t>(code & 0xFF);
-    row[2 * u + 1] = static_cast<std::uint8_t>(code >> 8);
-  } else if constexpr (kBits == 8) {
-    row[u] = static_cast<std::uint8_t>(encode_minifloat<kSpec>(value(u)));
-  } else if constexpr (kBits == 6) {
-    const std::uint32_t word = encode_minifloat<kSpec>(value(4 * u)) |
-                               encode_minifloat<kSpec>(value(4 * u + 1)) << 6 |
-                               encode_minifloat<kSpec>(value(4 * u + 2)) << 12 |
-                               encode_minifloat<kSpec>(value(4 * u + 3)) << 18;
-    row[3 * u] = static_cast<std::uint8_t>(word & 0xFF);
-    row[3 * u + 1] = static_cast<std::uint8_t>((word >> 8) & 0xFF);
-    row[3 * u + 2] = static_cast<std::uint8_t>((word >> 16) & 0xFF);
   } else {
-    static_assert(kBits == 4);
-    row[u] = static_cast<std::uint8_t>(encode_minifloat<kSpec>(value(2 * u)) |
-                                       encode_minifloat<kSpec>(value(2 * u + 1)) << 4);
+    constexpr int kGroup = kChannelsPerUnit<kFormat>;
+    std::uint32_t codes[kGroup];
+    for (int i = 0; i < kGroup; ++i) codes[i] = encode_minifloat<kSpec>(value(kGroup * u + i));
+    write_packed_group<kFormatFacts<kFormat>.packing>(codes, u, row);
   }
 }
 

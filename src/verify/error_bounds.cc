@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/format_table.h"
+
 namespace mjolnir::verify {
 
 namespace {
@@ -47,27 +49,7 @@ constexpr double kFormatFactor = 6;
 
 }  // namespace
 
-double unit_roundoff(Format format) {
-  switch (format) {
-    case Format::bf16:
-      return std::ldexp(1.0, -8);
-    case Format::fp16:
-      return std::ldexp(1.0, -11);
-    case Format::fp8_e4m3:
-      return std::ldexp(1.0, -4);
-    case Format::fp8_e5m2:
-      return std::ldexp(1.0, -3);
-    case Format::fp6_e2m3:
-      return std::ldexp(1.0, -4);
-    case Format::fp6_e3m2:
-      return std::ldexp(1.0, -3);
-    case Format::fp4_e2m1:
-      return std::ldexp(1.0, -2);
-    case Format::nvfp4:
-      return std::ldexp(1.0, -2);
-  }
-  return 1;
-}
+double unit_roundoff(Format format) { return format_facts(format).unit_roundoff(); }
 
 double emulator_tolerance(const DecodeParams& params, bool p_from_own_scores) {
   // A backend that rounds P from its own scores (Backend::rounds_p_from_own_scores) may round a
