@@ -36,10 +36,13 @@ std::vector<std::string> compiled_backends() {
   return names;
 }
 
+void check_cpu_threads(std::int64_t threads, std::string_view arg_name) {
+  MJOLNIR_REQUIRE(threads >= 0 && threads <= kMaxCpuThreads, arg_name, ": ", threads,
+                  " is outside [0, ", kMaxCpuThreads, "] (0 = every core)");
+}
+
 std::unique_ptr<Backend> make_backend(std::string_view name, const BackendOptions& options) {
-  MJOLNIR_REQUIRE(options.threads >= 0 && options.threads <= kMaxCpuThreads,
-                  "options.threads: ", options.threads, " is outside [0, ", kMaxCpuThreads,
-                  "] (0 = every core)");
+  check_cpu_threads(options.threads, "options.threads");
   MJOLNIR_REQUIRE(options.threads == 0 || options.executor == nullptr,
                   "options.threads: ", options.threads,
                   " with an executor, whose workers are the threads (leave it 0)");

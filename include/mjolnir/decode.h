@@ -206,6 +206,9 @@ class Backend {
 
 // Most CPU worker threads a backend accepts (BackendOptions::threads).
 inline constexpr int kMaxCpuThreads = 4096;
+// The one check of a thread count, for every binding that takes one: throws Error naming
+// `arg_name` unless 0 <= threads <= kMaxCpuThreads (0 = every core).
+void check_cpu_threads(std::int64_t threads, std::string_view arg_name);
 
 // Where the CPU backend runs its work: threads of its own by default, or a host program's
 // (a serving engine's intra-op thread pool, so that the two do not fight over the cores).

@@ -19,7 +19,6 @@ constexpr std::size_t kDecodeParamsV1 =
 constexpr std::size_t kDecodeArgsV1 =
     offsetof(mjolnir_decode_args, lse) + sizeof(mjolnir_decode_args::lse);
 
-constexpr std::int32_t kMaxThreads = kMaxCpuThreads;
 constexpr std::int32_t kNumPlanOptions = 5;
 
 struct OptionInfo {
@@ -166,10 +165,7 @@ MJOLNIR_API mjolnir_status mjolnir_backend_create(const char* name, int32_t thre
   return call("mjolnir_backend_create", nullptr, [&] {
     require_pointer(out, "out");
     require_pointer(name, "name");
-    if (threads < 0 || threads > kMaxThreads) {
-      fail(MJOLNIR_ERROR_INVALID_ARGUMENT, "threads: ", threads, " is outside [0, ", kMaxThreads,
-           "] (0 = all cores)");
-    }
+    check_cpu_threads(threads, "threads");
     const std::string_view wanted(name);
     bool compiled = false;
     std::string known_names;

@@ -382,8 +382,10 @@ CacheTensor cache_tensor(const at::Tensor& kv_cache, std::string_view kv_format,
 
 const Backend& backend_for(const at::Device& device, std::string_view backend,
                            std::int64_t threads) {
-  if (threads < 0 || threads > kMaxCpuThreads) {
-    fail("threads: ", threads, " is outside [0, ", kMaxCpuThreads, "] (0 = every core)");
+  try {
+    check_cpu_threads(threads, "threads");
+  } catch (const Error& e) {
+    raise_value_error(e.what());
   }
   std::string name(backend);
   if (name.empty()) {
