@@ -21,6 +21,7 @@
 #include <limits>
 #include <memory>
 #include <new>
+#include <optional>
 #include <random>
 #include <span>
 #include <string>
@@ -28,6 +29,7 @@
 #include <thread>
 #include <vector>
 
+#include "bad_input_table.h"
 #include "capi_handles.h"
 #include "core/bf16_rows.h"
 #include "mjolnir/cache.h"
@@ -654,8 +656,6 @@ TEST(CapiBackend, CreateRejectsBadArguments) {
   }
   expect_failure(mjolnir_backend_create(nullptr, 0, &backend), MJOLNIR_ERROR_INVALID_ARGUMENT, fn,
                  "name");
-  expect_failure(mjolnir_backend_create("cpu", -1, &backend), MJOLNIR_ERROR_INVALID_ARGUMENT, fn,
-                 "threads");
   expect_failure(mjolnir_backend_create("cpu", 1, nullptr), MJOLNIR_ERROR_INVALID_ARGUMENT, fn,
                  "out");
   EXPECT_EQ(backend, nullptr);
@@ -1300,6 +1300,106 @@ TEST(CapiDecode, RejectsBadArguments) {
   ASSERT_OK(mjolnir_decode(be, plan.get(), c, &p, &good, ws, bytes));
   EXPECT_STREQ(mjolnir_backend_last_error(be), "");
   EXPECT_STREQ(mjolnir_last_error(), "");
+}
+
+// The shared bad-input table (tests/bad_inputs.json, bad_input_table.h) through the C API: each
+// case's change made where the C API takes that argument (the decode params and args, the cache's
+// description for the scales, mjolnir_backend_create for the thread count); the call fails with
+// a message that names the argument.
+TEST(CapiDecode, BadInputTable) {
+  const mjolnir::testing::BadInputTable table = mjolnir::testing::bad_input_table();
+  const nlohmann::json& step_json = table.step;
+  const auto c_value = [](const char* (*name_of)(std::int32_t), const std::string& name) {
+    for (std::int32_t value = 0; value < 16; ++value) {
+      if (const char* n = name_of(value); n != nullptr && name == n) return value;
+    }
+    ADD_FAILURE() << "no C value named '" << name << "'";
+    return std::int32_t{-1};
+  };
+  auto rng = make_rng();
+  StepSpec spec;
+  spec.format = c_value(mjolnir_format_name, step_json.at("format"));
+  spec.granularity = c_value(mjolnir_granularity_name, step_json.at("granularity"));
+  spec.page_size = step_json.at("page_size");
+  spec.head_dim = step_json.at("head_dim");
+  spec.num_kv_heads = step_json.at("num_kv_heads");
+  spec.group = step_json.at("num_q_heads").get<int>() / spec.num_kv_heads;
+  spec.q_len = step_json.at("q_len");
+  spec.seq_lens = step_json.at("seq_lens").get<std::vector<std::int32_t>>();
+  Step step(spec, rng);
+  BackendPtr cpu = make_backend("cpu", 2);
+  PlanPtr plan = step.make_plan(cpu.get());
+  mjolnir_cache* c = step.cache.handle.get();
+  size_t bytes = 0;
+  const mjolnir_decode_params good_params = step.params();
+  ASSERT_OK(mjolnir_workspace_size(cpu.get(), plan.get(), c, &good_params, &bytes));
+  std::vector<float> workspace(bytes / sizeof(float) + 8);
+  Step::Outputs out(step);
+  const mjolnir_decode_args good_args = step.args(out);
+  ASSERT_OK(mjolnir_decode(cpu.get(), plan.get(), c, &good_params, &good_args, workspace.data(),
+                           bytes));  // the step itself is good
+
+  ASSERT_FALSE(table.cases.empty());
+  for (const mjolnir::testing::BadInputCase& bad : table.cases) {
+    SCOPED_TRACE(bad.name);
+    mjolnir_decode_params params = good_params;
+    mjolnir_decode_args args = good_args;
+    std::vector<std::int32_t> seq_lens = spec.seq_lens, block_table = step.block_table;
+    std::vector<float> k_scale = step.cache.k_scale, v_scale = step.cache.v_scale;
+    std::optional<std::int32_t> threads;
+    const std::int32_t num_pages = step.cache.num_pages;
+    const std::int32_t pages_plus_one = step.max_pages * spec.page_size + 1;
+    for (const auto& [key, value] : bad.change.items()) {
+      if (key == "q_len") {
+        params.q_len = value;
+      } else if (key == "num_q_heads") {
+        params.num_q_heads = value;
+      } else if (key == "softmax_scale") {
+        params.softmax_scale = mjolnir::testing::table_float(value);
+      } else if (key == "block_table") {
+        block_table.at(value[0].get<std::size_t>() * step.max_pages + value[1].get<std::size_t>()) =
+            mjolnir::testing::table_int(value[2], num_pages, pages_plus_one);
+      } else if (key == "seq_lens") {
+        seq_lens.at(value[0]) = mjolnir::testing::table_int(value[1], num_pages, pages_plus_one);
+      } else if (key == "k_scale") {
+        k_scale = mjolnir::testing::table_floats(value);
+      } else if (key == "v_scale") {
+        v_scale = mjolnir::testing::table_floats(value);
+      } else if (key == "threads") {
+        threads = value.get<std::int32_t>();
+      } else {
+        FAIL() << "bad_inputs.json: no C argument for '" << key << "'";
+      }
+    }
+    args.seq_lens = seq_lens.data();
+    args.block_table = block_table.data();
+    mjolnir_status status = MJOLNIR_OK;
+    if (threads) {
+      mjolnir_backend* backend = nullptr;
+      status = mjolnir_backend_create("cpu", *threads, &backend);
+      mjolnir_backend_destroy(backend);
+    } else if (k_scale != step.cache.k_scale || v_scale != step.cache.v_scale) {
+      mjolnir_cache_desc desc = step.cache.desc();
+      desc.k_scale = k_scale.data();
+      desc.k_scale_count = std::int64_t(k_scale.size());
+      desc.v_scale = v_scale.data();
+      desc.v_scale_count = std::int64_t(v_scale.size());
+      mjolnir_cache* cache = nullptr;
+      status = mjolnir_cache_create(&desc, &cache);
+      mjolnir_cache_destroy(cache);
+    } else {
+      status = mjolnir_decode(cpu.get(), plan.get(), c, &params, &args, workspace.data(), bytes);
+    }
+    EXPECT_EQ(status, MJOLNIR_ERROR_INVALID_ARGUMENT)
+        << "status " << status << "; expected an invalid argument naming '" << bad.names.front()
+        << "'";
+    const std::string message = mjolnir_last_error();
+    EXPECT_TRUE(mjolnir::testing::names_all(message, bad.names))
+        << "message '" << message << "' does not say '" << nlohmann::json(bad.names).dump() << "'";
+  }
+  // Still works after all that.
+  ASSERT_OK(
+      mjolnir_decode(cpu.get(), plan.get(), c, &good_params, &good_args, workspace.data(), bytes));
 }
 
 TEST(CapiDecode, PaddingOnlyAndEmptySteps) {

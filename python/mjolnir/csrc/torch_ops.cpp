@@ -224,7 +224,16 @@ void decode_step(at::Tensor& output, const at::Tensor& q, const at::Tensor& kv_c
   if (output.sizes() != q.sizes()) {
     raise_value_error("output: shape " + shape_of(output) + ", expected " + shape_of(q));
   }
-  if (num_tokens == 0) return;  // an empty step: nothing to read or write
+  if (num_tokens == 0) {
+    // An empty step reads and writes nothing, but its arguments are still checked as validate()
+    // checks them (the cache, then the batch): q_len 0 without query_start, say, is an error
+    // however few rows q has.
+    with_op_errors([&] {
+      validate(cache.view);
+      validate(step.batch(), cache.view.geometry, params.q_len);
+    });
+    return;
+  }
 
   RowScratch& scratch = row_scratch();
   // A bf16 model's q and output go to the CPU backend as they are (it widens and rounds them
