@@ -94,8 +94,8 @@ struct StepShape {
 struct Plan {
   PlanCapacity capacity;
   int tile_tokens = 64;
-  // Query tokens per work item, at most: the step's q_len, or kMaxQLen for a ragged step (so
-  // rows of split partials are q_len * g apart, PartialLayout).
+  // Query tokens per work item, at most: the step's q_len, or kQueryTileTokens for a ragged step
+  // (so rows of split partials are q_len * g apart, PartialLayout).
   int q_len = 1;
   bool ragged = false;  // made for a step with query_start
   int num_seqs = 0;
@@ -115,8 +115,8 @@ struct Plan {
 };
 
 // Cuts the step into work items. A ragged step's sequences are cut into query tiles of at most
-// kMaxQLen tokens (a decode step has one per sequence); every (query tile, KV head, visible KV
-// token) is covered exactly once. Padding requests (seq_len 0 in a decode step) get one empty
+// kQueryTileTokens tokens (a decode step has one per sequence); every (query tile, KV head, visible
+// KV token) is covered exactly once. Padding requests (seq_len 0 in a decode step) get one empty
 // item per KV head, which writes O = 0 and LSE = -inf and reads nothing. Chunk bounds are
 // multiples of options.tile_tokens. Throws Error when the step does not fit the plan's capacity
 // or an argument is out of range. It writes `plan`: not while a Backend::run() reads it.
@@ -131,7 +131,8 @@ void make_plan(Plan& plan, std::span<const std::int32_t> seq_lens, int q_len, in
 // graph keeps one capacity for every step instead.
 PlanCapacity capacity_for(const StepShape& step, const PlanOptions& options);
 
-// Query tiles make_plan cuts a ragged step into: ceil(query tokens / kMaxQLen) per sequence.
+// Query tiles make_plan cuts a ragged step into: ceil(query tokens / kQueryTileTokens) per
+// sequence.
 // Size PlanCapacity::max_query_tiles with it. Throws Error naming query_start when it is not
 // nondecreasing from 0.
 int query_tiles_needed(std::span<const std::int32_t> query_start);
