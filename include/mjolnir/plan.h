@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <span>
+#include <string_view>
 #include <vector>
 
 namespace mjolnir {
@@ -13,6 +14,14 @@ inline constexpr int kMaxQLen = 8;
 // most one work item holds there. Each KV tile a work item reads serves all its query rows (32 x g
 // here), so larger tiles decode and load each KV row fewer times over a prompt.
 inline constexpr int kQueryTileTokens = 32;
+
+// The one check of how a step gives its query tokens, for make_plan, validate() and the bindings:
+// q_len in [1, kMaxQLen] for every sequence, or (a ragged step) q_len 0 with query_start holding
+// num_seqs + 1 entries from 0 that never decrease. Throws Error naming the argument as the
+// caller's API names it (`q_len_name`, `query_start_name`).
+void check_query_tokens(int q_len, std::span<const std::int32_t> query_start, std::size_t num_seqs,
+                        std::string_view q_len_name = "q_len",
+                        std::string_view query_start_name = "query_start");
 
 // One unit of work: the q_count * g query rows of one (sequence, KV head), query tokens
 // [q_begin, q_begin + q_count) of the sequence, against KV tokens [kv_begin, kv_end). Each KV row

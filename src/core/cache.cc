@@ -269,19 +269,7 @@ void validate(const PagedBatch& batch, const CacheGeometry& cache, int q_len) {
   validate_geometry(cache, "cache");
   const int num_seqs = batch.num_seqs();
   const bool ragged = !batch.query_start.empty();
-  if (ragged) {
-    MJOLNIR_REQUIRE(q_len == 0, "q_len: ", q_len,
-                    " with batch.query_start given; a ragged step takes its query lengths from "
-                    "query_start (q_len 0)");
-    MJOLNIR_REQUIRE(batch.query_start.size() == std::size_t(num_seqs) + 1,
-                    "query_start: ", batch.query_start.size(),
-                    " entries, expected num_seqs + 1 = ", num_seqs + 1);
-    MJOLNIR_REQUIRE(batch.query_start[0] == 0, "query_start[0]: ", batch.query_start[0],
-                    ", expected 0");
-  } else {
-    MJOLNIR_REQUIRE(q_len >= 1 && q_len <= kMaxQLen, "q_len: ", q_len, " is outside [1, ", kMaxQLen,
-                    "] (0: a ragged step, with batch.query_start)");
-  }
+  check_query_tokens(q_len, batch.query_start, std::size_t(num_seqs), "q_len", "batch.query_start");
   const std::int64_t max_pages = batch.max_pages_per_seq;
   MJOLNIR_REQUIRE(max_pages >= 0, "max_pages_per_seq: ", max_pages, " is negative");
 
@@ -299,8 +287,6 @@ void validate(const PagedBatch& batch, const CacheGeometry& cache, int q_len) {
     const std::int32_t seq_len = batch.seq_lens[seq];
     if (ragged) {
       const std::int32_t begin = batch.query_start[seq], end = batch.query_start[seq + 1];
-      MJOLNIR_REQUIRE(end >= begin, "query_start[", seq + 1, "]: ", end,
-                      " is less than query_start[", seq, "] ", begin, " (it must not decrease)");
       MJOLNIR_REQUIRE(end - begin <= std::max(seq_len, 0), "query_start: sequence ", seq, " has ",
                       end - begin, " query tokens but seq_lens[", seq, "] is ", seq_len,
                       " (its query tokens are in the cache)");

@@ -26,33 +26,34 @@ Plan::Plan(PlanCapacity cap) : capacity(cap) {
   first_partial.resize(tiles);
 }
 
-namespace {
-
-int ceil_div(std::int64_t a, std::int64_t b) { return static_cast<int>((a + b - 1) / b); }
-
-void check_query_start(std::span<const std::int32_t> query_start, std::size_t num_seqs) {
-  MJOLNIR_REQUIRE(query_start.size() == num_seqs + 1, "query_start: ", query_start.size(),
+void check_query_tokens(int q_len, std::span<const std::int32_t> query_start, std::size_t num_seqs,
+                        std::string_view q_len_name, std::string_view query_start_name) {
+  if (query_start.empty()) {
+    MJOLNIR_REQUIRE(q_len >= 1 && q_len <= kMaxQLen, q_len_name, ": ", q_len, " is outside [1, ",
+                    kMaxQLen, "] (0: a ragged step, with ", query_start_name, ")");
+    return;
+  }
+  MJOLNIR_REQUIRE(q_len == 0, q_len_name, ": ", q_len, " with ", query_start_name,
+                  " given; a ragged step takes its query lengths from ", query_start_name,
+                  " (q_len 0)");
+  MJOLNIR_REQUIRE(query_start.size() == num_seqs + 1, query_start_name, ": ", query_start.size(),
                   " entries, expected num_seqs + 1 = ", num_seqs + 1);
-  MJOLNIR_REQUIRE(query_start[0] == 0, "query_start[0]: ", query_start[0], ", expected 0");
+  MJOLNIR_REQUIRE(query_start[0] == 0, query_start_name, "[0]: ", query_start[0], ", expected 0");
   for (std::size_t b = 0; b < num_seqs; ++b) {
-    MJOLNIR_REQUIRE(query_start[b + 1] >= query_start[b], "query_start[", b + 1,
-                    "]: ", query_start[b + 1], " is less than query_start[", b, "] ",
+    MJOLNIR_REQUIRE(query_start[b + 1] >= query_start[b], query_start_name, "[", b + 1,
+                    "]: ", query_start[b + 1], " is less than ", query_start_name, "[", b, "] ",
                     query_start[b], " (it must not decrease)");
   }
 }
 
+namespace {
+
+int ceil_div(std::int64_t a, std::int64_t b) { return static_cast<int>((a + b - 1) / b); }
+
 void check_step(const StepShape& step, const PlanOptions& options) {
   const int num_seqs = step.num_seqs();
   const bool ragged = !step.query_start.empty();
-  if (ragged) {
-    MJOLNIR_REQUIRE(step.q_len == 0, "q_len: ", step.q_len,
-                    " with query_start given; a ragged step takes its query lengths from "
-                    "query_start (q_len 0)");
-    check_query_start(step.query_start, step.seq_lens.size());
-  } else {
-    MJOLNIR_REQUIRE(step.q_len >= 1 && step.q_len <= kMaxQLen, "q_len: ", step.q_len,
-                    " is outside [1, ", kMaxQLen, "] (0 needs query_start)");
-  }
+  check_query_tokens(step.q_len, step.query_start, step.seq_lens.size());
   MJOLNIR_REQUIRE(step.num_kv_heads >= 1, "num_kv_heads: ", step.num_kv_heads,
                   " must be at least 1");
   MJOLNIR_REQUIRE(options.workers >= 1, "plan options.workers: ", options.workers,
@@ -129,7 +130,7 @@ class ChunkCut {
 
 int query_tiles_needed(std::span<const std::int32_t> query_start) {
   MJOLNIR_REQUIRE(!query_start.empty(), "query_start: is empty, expected num_seqs + 1 entries");
-  check_query_start(query_start, query_start.size() - 1);
+  check_query_tokens(0, query_start, query_start.size() - 1);
   std::int64_t tiles = 0;
   for (std::size_t b = 0; b + 1 < query_start.size(); ++b) {
     tiles += ceil_div(query_start[b + 1] - query_start[b], kQueryTileTokens);
