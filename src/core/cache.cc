@@ -11,6 +11,7 @@
 #include <string>
 #include <string_view>
 
+#include "core/batch_checks.h"
 #include "mjolnir/error.h"
 #include "mjolnir/plan.h"
 
@@ -267,6 +268,10 @@ void validate(const KvCacheView& cache) {
 
 void validate(const PagedBatch& batch, const CacheGeometry& cache, int q_len) {
   validate_geometry(cache, "cache");
+  detail::check_batch(batch, cache, q_len);
+}
+
+void detail::check_batch(const PagedBatch& batch, const CacheGeometry& cache, int q_len) {
   const int num_seqs = batch.num_seqs();
   const bool ragged = !batch.query_start.empty();
   check_query_tokens(q_len, batch.query_start, std::size_t(num_seqs), "q_len", "batch.query_start");

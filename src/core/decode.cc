@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "core/batch_checks.h"
 #include "core/bf16_rows.h"
 #include "mjolnir/error.h"
 
@@ -84,7 +85,8 @@ void validate(const DecodeArgs& args) {
                   " is not a P mode (fp32 0, bf16 1, fp8 2)");
   MJOLNIR_REQUIRE(std::isfinite(p.softmax_scale) && p.softmax_scale >= 0,
                   "softmax_scale: ", p.softmax_scale, " must be finite and >= 0 (0 = 1/sqrt(D))");
-  validate(args.batch, geo, p.q_len);  // q_len, and query_start for a ragged step
+  // q_len, and query_start for a ragged step (the geometry was checked with the cache view)
+  detail::check_batch(args.batch, geo, p.q_len);
 
   const std::int64_t rows = args.num_query_rows();
   const std::int64_t d = geo.head_dim;
