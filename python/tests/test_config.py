@@ -65,3 +65,14 @@ def test_entry_point_installed():
     found = [ep for ep in eps if ep.name == "mjolnir"]
     assert found and found[0].value == "mjolnir:register"
     assert found[0].load() is mjolnir.register
+
+
+def test_formats_are_the_librarys():
+    """config.FORMATS is read at plugin registration, before the extension loads, so it keeps its
+    own list: it must be the library's format table (core/format_table.h), in its order, as must
+    the tests' independent list."""
+    from _reference import FORMATS as reference_formats
+    from mjolnir.config import FORMATS
+
+    assert FORMATS == tuple(mjolnir.formats())
+    assert tuple(reference_formats) == tuple(mjolnir.formats())
