@@ -3,7 +3,6 @@
 #include "mjolnir/format.h"
 
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <string>
 

@@ -17,10 +17,10 @@ namespace mjolnir {
 
 // How a row lays out its channels' codes (the packing format.h's row_bytes() describes).
 enum class CodePacking : std::uint8_t {
-  u16_le,       // one little-endian 16-bit code a channel
-  byte,         // one code a byte
-  fp6_groups,   // four 6-bit codes in three bytes: the little-endian word c0 | c1<<6 | c2<<12 |
-                // c3<<18
+  u16_le,  // one little-endian 16-bit code a channel
+  byte,    // one code a byte
+  // Four 6-bit codes in three bytes: the little-endian word c0 | c1<<6 | c2<<12 | c3<<18.
+  fp6_groups,
   nibble_pairs  // two 4-bit codes a byte, the even channel in the low nibble
 };
 
