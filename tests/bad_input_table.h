@@ -74,4 +74,50 @@ inline std::vector<float> table_floats(const nlohmann::json& values) {
   return out;
 }
 
+// The arguments a case may change, as a binding's good step has them. A binding fills one from
+// its step, applies the case's change, and passes the fields back to the call that takes each:
+// what the table's change keys mean is written here once.
+struct StepArguments {
+  int q_len = 0;
+  int num_q_heads = 0;
+  float softmax_scale = 0.0f;
+  std::vector<std::int32_t> seq_lens;
+  std::vector<std::int32_t> block_table;  // [num_seqs, max_pages_per_seq]
+  int max_pages_per_seq = 0;
+  int num_pages = 0;  // of the pool
+  int page_size = 0;
+  std::vector<float> k_scale, v_scale;
+  int threads = 0;
+  bool scales_changed = false;   // the case is the cache's (its scales)
+  bool threads_changed = false;  // the case is the backend's (its thread count)
+
+  // Applies one case's change; throws std::runtime_error for a key the table does not define.
+  void apply(const nlohmann::json& change) {
+    const std::int32_t pages_plus_one = max_pages_per_seq * page_size + 1;
+    for (const auto& [key, value] : change.items()) {
+      if (key == "q_len") {
+        q_len = value;
+      } else if (key == "num_q_heads") {
+        num_q_heads = value;
+      } else if (key == "softmax_scale") {
+        softmax_scale = table_float(value);
+      } else if (key == "block_table") {
+        block_table.at(value[0].get<std::size_t>() * std::size_t(max_pages_per_seq) +
+                       value[1].get<std::size_t>()) =
+            table_int(value[2], num_pages, pages_plus_one);
+      } else if (key == "seq_lens") {
+        seq_lens.at(value[0]) = table_int(value[1], num_pages, pages_plus_one);
+      } else if (key == "k_scale" || key == "v_scale") {
+        (key == "k_scale" ? k_scale : v_scale) = table_floats(value);
+        scales_changed = true;
+      } else if (key == "threads") {
+        threads = value;
+        threads_changed = true;
+      } else {
+        throw std::runtime_error("bad_inputs.json: no argument '" + key + "'");
+      }
+    }
+  }
+};
+
 }  // namespace mjolnir::testing

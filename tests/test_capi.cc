@@ -21,7 +21,6 @@
 #include <limits>
 #include <memory>
 #include <new>
-#include <optional>
 #include <random>
 #include <span>
 #include <string>
@@ -1342,52 +1341,41 @@ TEST(CapiDecode, BadInputTable) {
   ASSERT_FALSE(table.cases.empty());
   for (const mjolnir::testing::BadInputCase& bad : table.cases) {
     SCOPED_TRACE(bad.name);
-    mjolnir_decode_params params = good_params;
-    mjolnir_decode_args args = good_args;
-    std::vector<std::int32_t> seq_lens = spec.seq_lens, block_table = step.block_table;
-    std::vector<float> k_scale = step.cache.k_scale, v_scale = step.cache.v_scale;
-    std::optional<std::int32_t> threads;
-    const std::int32_t num_pages = step.cache.num_pages;
-    const std::int32_t pages_plus_one = step.max_pages * spec.page_size + 1;
-    for (const auto& [key, value] : bad.change.items()) {
-      if (key == "q_len") {
-        params.q_len = value;
-      } else if (key == "num_q_heads") {
-        params.num_q_heads = value;
-      } else if (key == "softmax_scale") {
-        params.softmax_scale = mjolnir::testing::table_float(value);
-      } else if (key == "block_table") {
-        block_table.at(value[0].get<std::size_t>() * step.max_pages + value[1].get<std::size_t>()) =
-            mjolnir::testing::table_int(value[2], num_pages, pages_plus_one);
-      } else if (key == "seq_lens") {
-        seq_lens.at(value[0]) = mjolnir::testing::table_int(value[1], num_pages, pages_plus_one);
-      } else if (key == "k_scale") {
-        k_scale = mjolnir::testing::table_floats(value);
-      } else if (key == "v_scale") {
-        v_scale = mjolnir::testing::table_floats(value);
-      } else if (key == "threads") {
-        threads = value.get<std::int32_t>();
-      } else {
-        FAIL() << "bad_inputs.json: no C argument for '" << key << "'";
-      }
-    }
-    args.seq_lens = seq_lens.data();
-    args.block_table = block_table.data();
+    mjolnir::testing::StepArguments changed{
+        .q_len = good_params.q_len,
+        .num_q_heads = good_params.num_q_heads,
+        .softmax_scale = good_params.softmax_scale,
+        .seq_lens = spec.seq_lens,
+        .block_table = step.block_table,
+        .max_pages_per_seq = step.max_pages,
+        .num_pages = step.cache.num_pages,
+        .page_size = spec.page_size,
+        .k_scale = step.cache.k_scale,
+        .v_scale = step.cache.v_scale,
+    };
+    ASSERT_NO_THROW(changed.apply(bad.change));
     mjolnir_status status = MJOLNIR_OK;
-    if (threads) {
+    if (changed.threads_changed) {
       mjolnir_backend* backend = nullptr;
-      status = mjolnir_backend_create("cpu", *threads, &backend);
+      status = mjolnir_backend_create("cpu", changed.threads, &backend);
       mjolnir_backend_destroy(backend);
-    } else if (k_scale != step.cache.k_scale || v_scale != step.cache.v_scale) {
+    } else if (changed.scales_changed) {
       mjolnir_cache_desc desc = step.cache.desc();
-      desc.k_scale = k_scale.data();
-      desc.k_scale_count = std::int64_t(k_scale.size());
-      desc.v_scale = v_scale.data();
-      desc.v_scale_count = std::int64_t(v_scale.size());
+      desc.k_scale = changed.k_scale.data();
+      desc.k_scale_count = std::int64_t(changed.k_scale.size());
+      desc.v_scale = changed.v_scale.data();
+      desc.v_scale_count = std::int64_t(changed.v_scale.size());
       mjolnir_cache* cache = nullptr;
       status = mjolnir_cache_create(&desc, &cache);
       mjolnir_cache_destroy(cache);
     } else {
+      mjolnir_decode_params params = good_params;
+      params.q_len = changed.q_len;
+      params.num_q_heads = changed.num_q_heads;
+      params.softmax_scale = changed.softmax_scale;
+      mjolnir_decode_args args = good_args;
+      args.seq_lens = changed.seq_lens.data();
+      args.block_table = changed.block_table.data();
       status = mjolnir_decode(cpu.get(), plan.get(), c, &params, &args, workspace.data(), bytes);
     }
     EXPECT_EQ(status, MJOLNIR_ERROR_INVALID_ARGUMENT)

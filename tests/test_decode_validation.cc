@@ -71,40 +71,27 @@ TEST(BadInputTable, EveryCaseThroughTheCppApi) {
   for (const testing::BadInputCase& bad : table.cases) {
     SCOPED_TRACE(bad.name);
     DecodeArgs a = problem.args();
-    BackendOptions options;
-    std::vector<std::int32_t> seq_lens(a.batch.seq_lens.begin(), a.batch.seq_lens.end());
-    std::vector<std::int32_t> block_table(a.batch.block_table.begin(), a.batch.block_table.end());
-    std::vector<float> k_scale(a.cache.k_scale.begin(), a.cache.k_scale.end());
-    std::vector<float> v_scale(a.cache.v_scale.begin(), a.cache.v_scale.end());
-    const std::int32_t num_pages = a.cache.geometry.num_pages;
-    const std::int32_t pages_plus_one = a.batch.max_pages_per_seq * a.cache.geometry.page_size + 1;
-    for (const auto& [key, value] : bad.change.items()) {
-      if (key == "q_len") {
-        a.params.q_len = value;
-      } else if (key == "num_q_heads") {
-        a.params.num_q_heads = value;
-      } else if (key == "softmax_scale") {
-        a.params.softmax_scale = testing::table_float(value);
-      } else if (key == "block_table") {
-        block_table.at(value[0].get<std::size_t>() * a.batch.max_pages_per_seq +
-                       value[1].get<std::size_t>()) =
-            testing::table_int(value[2], num_pages, pages_plus_one);
-      } else if (key == "seq_lens") {
-        seq_lens.at(value[0]) = testing::table_int(value[1], num_pages, pages_plus_one);
-      } else if (key == "k_scale") {
-        k_scale = testing::table_floats(value);
-      } else if (key == "v_scale") {
-        v_scale = testing::table_floats(value);
-      } else if (key == "threads") {
-        options.threads = value;
-      } else {
-        FAIL() << "bad_inputs.json: no C++ argument for '" << key << "'";
-      }
-    }
-    a.batch.seq_lens = seq_lens;
-    a.batch.block_table = block_table;
-    a.cache.k_scale = k_scale;
-    a.cache.v_scale = v_scale;
+    testing::StepArguments changed{
+        .q_len = a.params.q_len,
+        .num_q_heads = a.params.num_q_heads,
+        .softmax_scale = a.params.softmax_scale,
+        .seq_lens = {a.batch.seq_lens.begin(), a.batch.seq_lens.end()},
+        .block_table = {a.batch.block_table.begin(), a.batch.block_table.end()},
+        .max_pages_per_seq = a.batch.max_pages_per_seq,
+        .num_pages = a.cache.geometry.num_pages,
+        .page_size = a.cache.geometry.page_size,
+        .k_scale = {a.cache.k_scale.begin(), a.cache.k_scale.end()},
+        .v_scale = {a.cache.v_scale.begin(), a.cache.v_scale.end()},
+    };
+    ASSERT_NO_THROW(changed.apply(bad.change));
+    a.params.q_len = changed.q_len;
+    a.params.num_q_heads = changed.num_q_heads;
+    a.params.softmax_scale = changed.softmax_scale;
+    a.batch.seq_lens = changed.seq_lens;
+    a.batch.block_table = changed.block_table;
+    a.cache.k_scale = changed.k_scale;
+    a.cache.v_scale = changed.v_scale;
+    const BackendOptions options{.threads = changed.threads};
     for (const char* backend : {"cpu", "reference"}) {
       try {
         decode(*make_backend(backend, options), a);

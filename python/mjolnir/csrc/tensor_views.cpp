@@ -382,11 +382,7 @@ CacheTensor cache_tensor(const at::Tensor& kv_cache, std::string_view kv_format,
 
 const Backend& backend_for(const at::Device& device, std::string_view backend,
                            std::int64_t threads) {
-  try {
-    check_cpu_threads(threads, "threads");
-  } catch (const Error& e) {
-    raise_value_error(e.what());
-  }
+  with_op_errors([&] { check_cpu_threads(threads, "threads"); });
   std::string name(backend);
   if (name.empty()) {
     if (device.is_cpu()) {
