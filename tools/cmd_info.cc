@@ -55,11 +55,13 @@ int run_info() {
               !cpu::cpu_has_bf16_dot() ? "no (the dispatched target or the CPU lacks AVX512_BF16)"
               : kernels.bf16_dot       ? "yes"
                                        : "off (MJOLNIR_CPU_BF16_DOT=0)");
-  std::printf("AMX tiles (Q . K and P . V from 8 query rows, where the dot products apply): %s\n",
-              !cpu::cpu_has_amx() || !cpu::cpu_has_bf16_dot()
-                  ? "no (the CPU lacks AMX-BF16, or Linux did not grant the tile state)"
-              : kernels.amx ? "yes"
-                            : "off (MJOLNIR_CPU_AMX=0 or MJOLNIR_CPU_BF16_DOT=0)");
+  std::printf(
+      "AMX tiles (Q . K from 8 query rows, where the dot products apply; P . V with P in bf16): "
+      "%s\n",
+      !cpu::cpu_has_amx() || !cpu::cpu_has_bf16_dot()
+          ? "no (the CPU lacks AMX-BF16, or Linux did not grant the tile state)"
+      : kernels.amx ? "yes"
+                    : "off (MJOLNIR_CPU_AMX=0 or MJOLNIR_CPU_BF16_DOT=0)");
   std::printf("fp32 subnormal FMAs: %s; decoders that avoid them: %s\n",
               cpu::fp32_subnormals_are_slow() ? "slow (Intel)" : "full speed",
               kernels.avoid_fp32_subnormals == cpu::fp32_subnormals_are_slow()

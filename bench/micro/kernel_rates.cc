@@ -55,9 +55,11 @@ double fma_peak_flops_one_thread() {
   return flops;
 }
 
-void Decode(benchmark::State& state, Format format, int group, int q_len, QMode q_mode) {
+void Decode(benchmark::State& state, Format format, int group, int q_len, QMode q_mode,
+            PMode p_mode) {
   verify::ProblemSpec spec;
   spec.params.q_mode = q_mode;
+  spec.params.p_mode = p_mode;
   spec.format = format;
   spec.num_kv_heads = kKvHeads;
   spec.group = group;
@@ -132,18 +134,24 @@ void FmaPeak(benchmark::State& state) {
 const int registered = [] {
   // Q in fp32 (the default) and in bf16, where CPUs with AVX512_BF16 run Q . K on dot products;
   // in int8 for the formats whose codes are small integers (in integer dot products with VNNI).
-  for (const QMode q_mode : {QMode::fp32, QMode::bf16, QMode::int8}) {
-    for (const Format format : kAllFormats) {
-      if (q_mode == QMode::int8 && format != Format::fp4_e2m1 && format != Format::fp6_e2m3 &&
-          format != Format::nvfp4) {
-        continue;
-      }
-      for (const auto [group, q_len] : {std::pair{4, 1}, std::pair{4, 4}, std::pair{8, 1}}) {
-        const std::string name = "Decode/" + std::string(to_string(format)) + "/g" +
-                                 std::to_string(group) + "/q_len" + std::to_string(q_len) + "/q" +
-                                 std::string(to_string(q_mode));
-        benchmark::RegisterBenchmark(name.c_str(), Decode, format, group, q_len, q_mode)
-            ->Unit(benchmark::kMicrosecond);
+  // P in fp32, and in bf16 (a "/pbf16" suffix) with Q in bf16 or int8, where P . V runs on AMX
+  // tiles or the bf16 dot products.
+  for (const PMode p_mode : {PMode::fp32, PMode::bf16}) {
+    for (const QMode q_mode : {QMode::fp32, QMode::bf16, QMode::int8}) {
+      if (p_mode == PMode::bf16 && q_mode == QMode::fp32) continue;
+      for (const Format format : kAllFormats) {
+        if (q_mode == QMode::int8 && format != Format::fp4_e2m1 && format != Format::fp6_e2m3 &&
+            format != Format::nvfp4) {
+          continue;
+        }
+        for (const auto [group, q_len] : {std::pair{4, 1}, std::pair{4, 4}, std::pair{8, 1}}) {
+          const std::string name =
+              "Decode/" + std::string(to_string(format)) + "/g" + std::to_string(group) + "/q_len" +
+              std::to_string(q_len) + "/q" + std::string(to_string(q_mode)) +
+              (p_mode == PMode::fp32 ? "" : "/p" + std::string(to_string(p_mode)));
+          benchmark::RegisterBenchmark(name.c_str(), Decode, format, group, q_len, q_mode, p_mode)
+              ->Unit(benchmark::kMicrosecond);
+        }
       }
     }
   }

@@ -231,7 +231,8 @@ class Executor {
 // A/B measurements and tests. `mjolnir info` says which this machine takes.
 struct CpuKernelOptions {
   bool bf16_dot = true;  // Q . K on AVX-512 BF16 dot products (else fp32 FMAs)
-  bool amx = true;       // Q . K and P . V on AMX tiles from 8 query rows (else the dot products)
+  bool amx =
+      true;  // Q . K on AMX tiles from 8 query rows, P . V with P in bf16 (else dot products)
   // Decoders that never make an fp32 subnormal, whose FMAs take a microcode assist on Intel
   // cores. Unset: where this CPU's subnormal FMAs are slow.
   std::optional<bool> avoid_fp32_subnormals;

@@ -137,8 +137,10 @@ HWY_INLINE void ScaleNvfp4Words(hn::Vec<WideFloatTag> group_scales, std::size_t 
   }
 }
 
-// The palette-1 tile configuration: tiles 0 and 1 hold C (16 keys x 16 fp32), 4 and 5 B, 2, 3, 6
-// and 7 A (16 keys x 32 bf16); every tile is 16 rows of 64 bytes.
+// The palette-1 tile configuration: for Q . K tiles 0 and 1 hold C (16 keys x 16 fp32), 4 and 5 B,
+// 2, 3, 6 and 7 A (16 keys x 32 bf16); for P . V tiles 0-3 hold C (query rows x 16 fp32), 4 A
+// (query rows x 32 bf16) and 5-7 B (16 key pairs x 16 channel pairs). Every tile has rows of 64
+// bytes; tiles 0-4 have value_rows rows (16 wherever Q . K is on the tiles), the others 16.
 struct alignas(64) AmxTileConfig {
   std::uint8_t palette = 1;
   std::uint8_t start_row = 0;
@@ -150,9 +152,21 @@ struct alignas(64) AmxTileConfig {
 // Loading the configuration costs about what a tile of scores does, so a work unit loads it once
 // (AmxTiles) and releases the tile state at its end (a thread that holds it makes every context
 // switch save 8 KiB more).
-HWY_NOINLINE inline void ConfigureAmxTiles() {
-  static const AmxTileConfig config;
-  _tile_loadconfig(&config);
+// The configurations are static: GCC does not see ldtilecfg read its operand, and drops the
+// stores that would fill one on the stack.
+struct AmxTileConfigs {
+  AmxTileConfig by_value_rows[kAmxRows + 1];
+  constexpr AmxTileConfigs() {
+    for (int value_rows = 1; value_rows <= kAmxRows; ++value_rows) {
+      for (int tile = 0; tile < 5; ++tile) {
+        by_value_rows[value_rows].rows[tile] = static_cast<std::uint8_t>(value_rows);
+      }
+    }
+  }
+};
+HWY_NOINLINE inline void ConfigureAmxTiles(int value_rows) {
+  static constexpr AmxTileConfigs kConfigs{};
+  _tile_loadconfig(&kConfigs.by_value_rows[value_rows]);
 }
 HWY_NOINLINE inline void ReleaseAmxTiles() { _tile_release(); }
 
@@ -302,11 +316,12 @@ HWY_NOINLINE void ScoresAmx(const std::uint16_t* HWY_RESTRICT q_tiles, int rows,
 
 HWY_POP_ATTRIBUTES
 
-// The tile configuration for the scope of a work unit, where `use`.
+// The tile configuration for the scope of a work unit, where `use`: value_rows (1 to 16) query
+// rows in P . V's A and C tiles (AmxTileConfig).
 class AmxTiles {
  public:
-  explicit AmxTiles(bool use) : use_(use) {
-    if (use_) ConfigureAmxTiles();
+  AmxTiles(bool use, int value_rows) : use_(use) {
+    if (use_) ConfigureAmxTiles(value_rows);
   }
   ~AmxTiles() {
     if (use_) ReleaseAmxTiles();

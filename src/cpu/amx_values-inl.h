@@ -9,7 +9,9 @@
 // channels of V in the pair-interleaved layout TDPBF16PS takes (row p holds keys 2p and 2p + 1
 // of 16 channels, interleaved), C is 16 rows x 16 channels of the fp32 accumulator, which stays
 // in memory ([rows][ld], rows padded to 16) and is loaded as tiles once per KV tile for 4
-// channel groups at a time (C tiles 0-3, A 4, B 5-7).
+// channel groups at a time (C tiles 0-3, A 4, B 5-7). A unit of fewer than 16 rows whose Q . K
+// is not on the tiles (a decode step's 4) configures A and C with just its rows (AmxValueRows)
+// instead of padding them to 16.
 //
 // V goes through the dot decoders of word_decoders-inl.h (true values as bf16 words, exact for
 // every format but fp16; nvfp4's codes times their block scales, exact in bf16 as for K), two
@@ -61,13 +63,20 @@ inline constexpr std::size_t kAmxRowWords = 32;  // keys per A row: bf16 P words
 // Query rows padded to whole A tiles.
 inline int AmxPaddedRows(int rows) { return (rows + kAmxRows - 1) / kAmxRows * kAmxRows; }
 
+// The rows of P . V's A and C tiles for a unit of `rows` query rows: all of them in one tile
+// below 16 where Q . K is not on the tiles (a decode step's 4 rows cost a quarter of a padded
+// tile), else whole tiles of 16 (the layout of SoftmaxColumns' A rows).
+inline int AmxValueRows(int rows, bool amx_scores) {
+  return amx_scores || rows >= kAmxRows ? AmxPaddedRows(rows) : rows;
+}
+
 // Words of a KV tile's V B-tiles (tile_tokens rounded up to 32 keys, d channels) and of its P
 // A-rows (padded rows x 32 words per 32 keys).
 inline std::size_t AmxValueWords(int tile_tokens, std::size_t d) {
   return std::size_t((tile_tokens + kAmxKeys - 1) / kAmxKeys) * kAmxKeys * d;
 }
-inline std::size_t AmxProbWords(int tile_tokens, int rows) {
-  return std::size_t((tile_tokens + kAmxKeys - 1) / kAmxKeys) * AmxPaddedRows(rows) * kAmxRowWords;
+inline std::size_t AmxProbWords(int tile_tokens, int value_rows) {
+  return std::size_t((tile_tokens + kAmxKeys - 1) / kAmxKeys) * value_rows * kAmxRowWords;
 }
 
 // The natural channel of accumulator column i (channel group i / 16, column i % 16). Group
@@ -127,12 +136,12 @@ HWY_INLINE void PrepareValueTiles(const std::uint8_t* const* bases, std::int64_t
   }
 }
 
-// A rows of P: for each 32-key block b, padded row r at p_words + (b * padded + r) * 32: the bf16
-// words of probs[r][32 b .. 32 b + 32), zero past count and for rows past `rows`. probs holds
-// bf16 values (P mode bf16, no power of two folded in), so taking their high halves is exact.
+// A rows of P: for each 32-key block b, row r (of `padded`, at least rows) at p_words + (b *
+// padded + r) * 32: the bf16 words of probs[r][32 b .. 32 b + 32), zero past count and for rows
+// past `rows`. probs holds bf16 values (P mode bf16, no power of two folded in), so taking their
+// high halves is exact.
 HWY_INLINE void PrepareProbWords(const float* HWY_RESTRICT probs, std::size_t stride, int rows,
-                                 int count, std::uint16_t* HWY_RESTRICT p_words) {
-  const int padded = AmxPaddedRows(rows);
+                                 int padded, int count, std::uint16_t* HWY_RESTRICT p_words) {
   const int blocks = (count + kAmxKeys - 1) / kAmxKeys;
   for (int b = 0; b < blocks; ++b) {
     const int keys = std::min(kAmxKeys, count - b * kAmxKeys);
@@ -261,14 +270,14 @@ inline void SoftmaxColumns(const ItemContext& it, const float* HWY_RESTRICT scor
   }
 }
 
-// acc [padded rows][ld] (AmxValueChannel order) = alpha * acc + P [rows][0, count) . the count V
-// rows at bases[t] + offset. v_tiles and p_words: AmxValueWords / AmxProbWords words of scratch,
-// 64-byte aligned. probs null: p_words already holds P (SoftmaxColumns). The tiles must be
-// configured (AmxTiles).
+// acc [value_rows][ld] (AmxValueChannel order) = alpha * acc + P [rows][0, count) . the count V
+// rows at bases[t] + offset; value_rows: AmxValueRows. v_tiles and p_words: AmxValueWords /
+// AmxProbWords words of scratch, 64-byte aligned. probs null: p_words already holds P
+// (SoftmaxColumns). The tiles must be configured for value_rows (AmxTiles).
 template <class Dot>
 HWY_NOINLINE void ValuesAmx(const float* HWY_RESTRICT probs, std::size_t stride, int rows,
-                            const std::uint8_t* const* bases, std::int64_t offset, int count,
-                            std::size_t d, float* HWY_RESTRICT acc, std::size_t ld,
+                            int value_rows, const std::uint8_t* const* bases, std::int64_t offset,
+                            int count, std::size_t d, float* HWY_RESTRICT acc, std::size_t ld,
                             const float* HWY_RESTRICT alpha, std::uint16_t* HWY_RESTRICT v_tiles,
                             std::uint16_t* HWY_RESTRICT p_words, TilePrefetcher& prefetch,
                             int prefetch_per_key) {
@@ -282,9 +291,9 @@ HWY_NOINLINE void ValuesAmx(const float* HWY_RESTRICT probs, std::size_t stride,
     }
   }
   PrepareValueTiles<Dot>(bases, offset, count, d, v_tiles, prefetch, prefetch_per_key);
-  if (probs != nullptr) PrepareProbWords(probs, stride, rows, count, p_words);
+  if (probs != nullptr) PrepareProbWords(probs, stride, rows, value_rows, count, p_words);
 
-  const int padded = AmxPaddedRows(rows);
+  const int padded = value_rows;
   const int blocks = (count + kAmxKeys - 1) / kAmxKeys;
   const std::size_t groups = d / kAmxChannels;
   const long acc_stride = long(ld * sizeof(float));

@@ -22,10 +22,11 @@
 // Numerics. With P in fp32 scores use FMAs in any order and exp2 is a fast polynomial: they
 // differ from the emulator by fp32 rounding only. With P in bf16 P is rounded from those same
 // scores, as the contract allows (docs/numerics.md): a P code sitting on a bf16 tie can round
-// to its neighbour; from 8 query rows on CPUs with AMX, P . V then runs on the tiles
-// (amx_values-inl.h). With P in fp8, whose codes are 16 times coarser, the scores are computed in
-// the emulator's exact order from true decoded values (exact_scores-inl.h) and exp2 is glibc's
-// exp2f bit for bit (exp2-inl.h): the P codes match the emulator's exactly.
+// to its neighbour; P . V then runs on bf16 words of V: on AMX tiles where the CPU has them
+// (amx_values-inl.h), else on the bf16 dot products (dot_values-inl.h). With P in fp8, whose codes
+// are 16 times coarser, the scores are computed in the emulator's exact order from true decoded
+// values (exact_scores-inl.h) and exp2 is glibc's exp2f bit for bit (exp2-inl.h): the P codes match
+// the emulator's exactly.
 #include "cpu/simd_targets.h"
 
 #undef HWY_TARGET_INCLUDE
@@ -250,13 +251,14 @@ void RunUnit(const KernelConfig& config, const DecodeArgs& args, const Plan& pla
   for (int i = 0; i < d; ++i) natural &= channel_of[i] == i;
 
   const std::size_t q_floats = paths.exact ? ExactPaddedRows(rows) * d : std::size_t(rows) * ld;
-  // P . V folds 2^p_exp into P: p * 2^p_exp . raw v (= v 2^kRawExp). On the tiles V is decoded
-  // to true values and P stays as rounded.
-  const int p_exp = paths.amx_values ? 0 : std::min(-Decoder::kRawExp, kMaxFoldExp);
-  const int v_raw_exp = paths.amx_values ? 0 : Decoder::kRawExp;
+  // P . V folds 2^p_exp into P: p * 2^p_exp . raw v (= v 2^kRawExp). On the tiles and the dot
+  // products V is decoded to true values (bf16 words) and P stays as rounded.
+  const bool values_as_words = paths.amx_values || paths.dot_values;
+  const int p_exp = values_as_words ? 0 : std::min(-Decoder::kRawExp, kMaxFoldExp);
+  const int v_raw_exp = values_as_words ? 0 : Decoder::kRawExp;
   // The accumulator's rows: padded to whole A tiles on the tiles.
 #if MJOLNIR_AMX
-  const int acc_rows = paths.amx_values ? AmxPaddedRows(rows) : rows;
+  const int acc_rows = paths.amx_values ? paths.value_rows : rows;
   const std::size_t q_tile_words = paths.amx_scores ? AmxQueryWords(rows, std::size_t(d)) : 0;
   std::uint16_t* q_tiles_all =
       paths.amx_scores
@@ -335,10 +337,16 @@ void RunUnit(const KernelConfig& config, const DecodeArgs& args, const Plan& pla
     score_scratch.amx_keys =
         reinterpret_cast<std::uint16_t*>(score_scratch.amx_sums + kAmxSumFloats);
   }
+  // On the dot products, the P pairs of one head's tile.
+  if (paths.dot_values) {
+    amx_value_tiles =
+        reinterpret_cast<std::uint16_t*>(scratch.floats(kAmxValues, DotProbWords(tile, rows) / 2));
+    scratch.counts.dot_values += std::uint64_t(heads);
+  }
   // V's B tiles of the tile (one head at a time), then each head's P A-rows.
   if (paths.amx_values) {
     const std::size_t value_words = AmxValueWords(tile, std::size_t(d));
-    const std::size_t prob_words = AmxProbWords(tile, rows);
+    const std::size_t prob_words = AmxProbWords(tile, paths.value_rows);
     amx_value_tiles = reinterpret_cast<std::uint16_t*>(
         scratch.floats(kAmxValues, (value_words + prob_words * heads) / 2));
     for (int h = 0; h < heads; ++h) {
@@ -346,7 +354,8 @@ void RunUnit(const KernelConfig& config, const DecodeArgs& args, const Plan& pla
       ++scratch.counts.amx_values;
     }
   }
-  const AmxTiles amx_tiles(paths.amx_scores || paths.amx_values);
+  const AmxTiles amx_tiles(paths.amx_scores || paths.amx_values,
+                           std::min(paths.amx_values ? paths.value_rows : kAmxRows, kAmxRows));
 #endif
   score_scratch.scores =
       scratch.floats(kScores, std::max(std::size_t(rows) * stride, column_floats));
@@ -414,6 +423,9 @@ void RunUnit(const KernelConfig& config, const DecodeArgs& args, const Plan& pla
     int per_pass;
     if (paths.amx_values) {
       per_pass = (prefetcher.rows() + heads * count - 1) / std::max(heads * count, 1);
+    } else if (paths.dot_values) {  // a pass: 64 channels of up to 4 rows
+      const int passes = heads * (d / 64) * (rows / 4 + rows % 4);
+      per_pass = (prefetcher.rows() + passes - 1) / passes;
     } else {
       const int passes = heads * int(d / hn::Lanes(typename Decoder::Tag()) / 2) * ((rows + 3) / 4);
       per_pass = (prefetcher.rows() + passes - 1) / passes;
@@ -436,7 +448,7 @@ void RunUnit(const KernelConfig& config, const DecodeArgs& args, const Plan& pla
   }
 #if MJOLNIR_AMX
   if constexpr (!std::is_void_v<DotOf<Decoder> >) {
-    if (paths.amx_values) {
+    if (values_as_words) {
       for (int i = 0; i < d; ++i) inverse[AmxValueChannel<DotOf<Decoder> >(i)] = i;
       source_of = inverse;
     }
@@ -544,6 +556,10 @@ bool amx_scores_apply(const KernelConfig& config, Format format, int rows, int h
 
 bool amx_values_apply(const KernelConfig& config, Format format, PMode p_mode, int head_dim) {
   return p_mode == PMode::bf16 && format != Format::fp16 && head_dim % 64 == 0 && config.amx;
+}
+
+bool dot_values_apply(const KernelConfig& config, Format format, PMode p_mode, int head_dim) {
+  return p_mode == PMode::bf16 && bf16_dot_applies(config, format, QMode::bf16, head_dim);
 }
 
 void run_work_unit(const KernelConfig& config, const DecodeArgs& args, const Plan& plan,

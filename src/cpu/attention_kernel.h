@@ -88,18 +88,23 @@ bool int8_dot_applies(Format format, int head_dim);
 // Whether a unit of `rows` query rows of this format and head size runs Q . K on AMX tiles under
 // `config`: from kAmxMinRows, wherever the bf16 dot products apply.
 bool amx_scores_apply(const KernelConfig& config, Format format, int rows, int head_dim);
-// Whether steps of this format, P mode and head size run P . V on AMX tiles from kAmxMinRows (8)
-// query rows (cpu/amx_values-inl.h): P mode bf16, the tiles taken under `config`, a format whose
-// values are bf16 values (not fp16), D a multiple of 64. Their P is rounded from the kernel's own
-// scores (Backend::rounds_p_from_own_scores).
+// Whether steps of this format, P mode and head size run P . V on AMX tiles (cpu/amx_values-inl.h):
+// P mode bf16, the tiles taken under `config`, a format whose values are bf16 values (not fp16),
+// D a multiple of 64; nvfp4 from kAmxMinRows query rows (kernel_paths-inl.h). Their P is rounded
+// from the kernel's own scores (Backend::rounds_p_from_own_scores).
 bool amx_values_apply(const KernelConfig& config, Format format, PMode p_mode, int head_dim);
+// Whether steps of this format, P mode and head size run P . V on the bf16 dot products where
+// the AMX tiles do not take it (cpu/dot_values-inl.h): P mode bf16, the dot products taken under
+// `config`, a format whose values are bf16 values, D a multiple of 64; nvfp4 from kAmxMinRows
+// query rows, as on the tiles.
+bool dot_values_apply(const KernelConfig& config, Format format, PMode p_mode, int head_dim);
 // Query rows (g x q_len) of a work unit from which Q . K goes on AMX tiles wherever the dot
-// products apply (and P . V too, in P mode bf16). With 4 rows (g 4, q_len 1) the dot products
-// were faster from memory (mjolnir bench, 32k tokens, Q bf16, interleaved: the tiles took bf16
-// 10% longer, fp8 14%, nvfp4 10%, fp6 4%, fp4 0-5% less): the tiles' fixed cost per key (K
-// stored, loaded as a tile, the sums gathered back) is then about the dot products' whole work.
-// From 8 rows on the tiles win (fp4 32-35%, fp6 15-20%, nvfp4 15-18%, fp8 and bf16 about even)
-// and at 16 by far (16-42%): docs/cpu-experiments.md.
+// products apply (the auto modes put P . V there too, in P mode bf16). With 4 rows (g 4, q_len 1)
+// the dot products were faster from memory (mjolnir bench, 32k tokens, Q bf16, interleaved: the
+// tiles took bf16 10% longer, fp8 14%, nvfp4 10%, fp6 4%, fp4 0-5% less): the tiles' fixed cost per
+// key (K stored, loaded as a tile, the sums gathered back) is then about the dot products' whole
+// work. From 8 rows on the tiles win (fp4 32-35%, fp6 15-20%, nvfp4 15-18%, fp8 and bf16 about
+// even) and at 16 by far (16-42%): docs/cpu-experiments.md.
 inline constexpr int kAmxMinRows = 8;
 
 // Highway targets the kernel is compiled for, best first, and the one run() uses on this CPU

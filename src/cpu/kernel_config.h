@@ -27,12 +27,14 @@ struct KernelPathCounts {
   std::uint64_t bf16_dot = 0;    // Q . K on the bf16 dot products
   std::uint64_t amx_scores = 0;  // Q . K on AMX tiles
   std::uint64_t amx_values = 0;  // P . V on AMX tiles
+  std::uint64_t dot_values = 0;  // P . V on the bf16 dot products
   std::uint64_t int8_dot = 0;    // Q . K in integers
 
   KernelPathCounts& operator+=(const KernelPathCounts& other) {
     bf16_dot += other.bf16_dot;
     amx_scores += other.amx_scores;
     amx_values += other.amx_values;
+    dot_values += other.dot_values;
     int8_dot += other.int8_dot;
     return *this;
   }

@@ -1,11 +1,11 @@
 // The paths of the CPU kernel (attention_kernel.cc) and the one place that chooses among them.
 // Q . K has five: fp32 FMAs in any order (fast_scores-inl.h), the emulator's exact order
 // (exact_scores-inl.h), bf16 dot products (bf16_dot-inl.h), AMX tiles (amx_scores-inl.h) and
-// integer dot products (int8_dot-inl.h); P . V two: fp32 FMAs (fma_values-inl.h) and AMX tiles
-// (amx_values-inl.h). A unit's paths follow from its format, modes, head size and query rows and
-// from what this CPU executes (ChooseUnitPaths); a head's score path also from its queries, since
-// Q in fp32 mode takes the bf16 dot products exactly where its values are bf16 values
-// (HeadScorePath). Per-target header, see kv_decode-inl.h.
+// integer dot products (int8_dot-inl.h); P . V three: fp32 FMAs (fma_values-inl.h), AMX tiles
+// (amx_values-inl.h) and bf16 dot products (dot_values-inl.h). A unit's paths follow from its
+// format, modes, head size and query rows and from what this CPU executes (ChooseUnitPaths); a
+// head's score path also from its queries, since Q in fp32 mode takes the bf16 dot products exactly
+// where its values are bf16 values (HeadScorePath). Per-target header, see kv_decode-inl.h.
 
 #if defined(MJOLNIR_CPU_KERNEL_PATHS_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef MJOLNIR_CPU_KERNEL_PATHS_INL_H_
@@ -23,6 +23,7 @@
 #include "cpu/amx_values-inl.h"
 #include "cpu/attention_kernel.h"
 #include "cpu/bf16_dot-inl.h"
+#include "cpu/dot_values-inl.h"
 #include "cpu/exact_scores-inl.h"
 #include "cpu/fast_scores-inl.h"
 #include "cpu/fma_values-inl.h"
@@ -56,6 +57,8 @@ struct UnitPaths {
   bool dot_format = false;  // the bf16 dot products apply to the format, head size and P mode
   bool amx_scores = false;  // where a head takes the dot products, it takes them on AMX tiles
   bool amx_values = false;  // P . V on AMX tiles (scores then in the tiles' column layout)
+  bool dot_values = false;  // P . V on the bf16 dot products, where the tiles do not take it
+  int value_rows = 0;       // amx_values: the query rows of its A and C tiles (AmxValueRows)
   bool int8 = false;        // every head's Q . K in integers
 };
 
@@ -66,7 +69,8 @@ using DotOf = typename DotDecoderOf<Decoder>::type;
 #endif
 
 // The paths of a unit of `rows` query rows. P mode bf16 rounds P from the kernel's own scores
-// (docs/numerics.md) and, where the tiles exist, takes P . V onto them; P mode fp8, whose codes
+// (docs/numerics.md) and takes P . V onto the tiles where they exist, from kAmxMinRows rows,
+// and onto the bf16 dot products below them or without the tiles; P mode fp8, whose codes
 // are 16 times coarser, computes the scores in the emulator's order. Where the bf16 dot products
 // apply, Q . K goes on AMX tiles on CPUs that have them; Q mode int8 against codes that are small
 // integers goes on VNNI or vpmaddubsw, below the rows where the tiles take it.
@@ -78,10 +82,18 @@ UnitPaths ChooseUnitPaths(const KernelConfig& config, const DecodeArgs& args, in
   paths.exact = args.params.p_mode == PMode::fp8;
 #if MJOLNIR_BF16_DOT
   if constexpr (!std::is_void_v<DotOf<Decoder>>) {
-    paths.amx_values =
-        rows >= kAmxMinRows && amx_values_apply(config, format, args.params.p_mode, d);
+    // nvfp4's V words are scaled key by key (ScaleNvfp4Words), a cost per key that only the
+    // FMAs' cost per row and key outweighs, from kAmxMinRows rows (at 4 rows the tiles took 39
+    // ns a token-head against 30 on the FMAs: docs/cpu-experiments.md, "P . V on bf16 words").
+    const bool words_pay = format != Format::nvfp4 || rows >= kAmxMinRows;
+    paths.amx_values = words_pay && amx_values_apply(config, format, args.params.p_mode, d);
+    paths.dot_values =
+        words_pay && !paths.amx_values && dot_values_apply(config, format, args.params.p_mode, d);
     paths.dot_format = !paths.exact && bf16_dot_applies(config, format, QMode::bf16, d);
     paths.amx_scores = paths.dot_format && amx_scores_apply(config, format, rows, d);
+#if MJOLNIR_AMX
+    if (paths.amx_values) paths.value_rows = AmxValueRows(rows, paths.amx_scores);
+#endif
   }
 #endif
 #if MJOLNIR_INT8_DOT
@@ -133,7 +145,7 @@ struct HeadState {
   float kernel_scale;               // turns q . k as computed into log2-scaled scores
   std::uint16_t* q_tiles;           // path amx: Q's B tiles
   std::uint16_t* prob_words;        // P . V on AMX tiles: this head's P A-rows
-  float* acc;                       // [R][ld] O accumulator, decoder channel order
+  float* acc;                       // [R][ld] O accumulator, decoder (or value tiles') order
   RowState state;                   // m, l, alpha: [R] each
   float* q_poisoned;                // [R]: 1 where the row's q is not finite
   std::int64_t k_offset, v_offset;  // head's K and V rows from a token's base
@@ -259,7 +271,8 @@ void ScoreHeadTile(const UnitPaths& paths, HeadState& hs, const TileRows& tile,
 }
 
 // acc = alpha * acc + P . V over one tile for one head, on AMX tiles (value_tiles: scratch for
-// the tile's V as B tiles) or fp32 FMAs; prefetch_rows prefetched rows a pass.
+// the tile's V as B tiles), the bf16 dot products (value_tiles: scratch for the tile's P pairs)
+// or fp32 FMAs; prefetch_rows prefetched rows a pass.
 template <class Decoder>
 void AccumulateHeadValues(const UnitPaths& paths, HeadState& hs, const TileRows& tile,
                           const float* HWY_RESTRICT probs, std::size_t stride,
@@ -271,9 +284,19 @@ void AccumulateHeadValues(const UnitPaths& paths, HeadState& hs, const TileRows&
     if constexpr (!std::is_void_v<DotOf<Decoder>>) {
       // P is in the A rows already where the scores ran on the tiles (SoftmaxColumns).
       ValuesAmx<DotOf<Decoder>>(hs.path == ScorePath::amx ? nullptr : probs, stride, it.rows,
-                                tile.bases, hs.v_offset, tile.count, std::size_t(it.d), hs.acc,
-                                it.ld, hs.state.alpha, value_tiles, hs.prob_words, prefetcher,
-                                prefetch_rows);
+                                paths.value_rows, tile.bases, hs.v_offset, tile.count,
+                                std::size_t(it.d), hs.acc, it.ld, hs.state.alpha, value_tiles,
+                                hs.prob_words, prefetcher, prefetch_rows);
+    }
+#endif
+    return;
+  }
+  if (paths.dot_values) {
+#if MJOLNIR_AMX
+    if constexpr (!std::is_void_v<DotOf<Decoder>>) {
+      ValuesDot<DotOf<Decoder>>(probs, stride, it.rows, tile.bases, hs.v_offset, tile.count,
+                                std::size_t(it.d), hs.acc, it.ld, hs.state.alpha, value_tiles,
+                                prefetcher, prefetch_rows);
     }
 #endif
     return;
