@@ -12,12 +12,18 @@
 // The sums are converted to fp32 (exact: |sum| < 2^24) and reduced like the other blocks' sums,
 // then times the kernel's scale (the score scale / factor): the emulator's scores bit for bit.
 // The AVX3_DL target runs it on CPUs with AVX512_VNNI (Ice Lake and later, Zen 4 and later); the
-// AVX2 and AVX3 targets, which have no vpdpbusd, run fp4_e2m1 with vpmaddubsw and vpmaddwd (at the
-// end of this file). It applies from 128 channels a chunk (D a multiple of 128). Per-target
+// AVX2 and AVX3 targets, which have no vpdpbusd, run fp4_e2m1 with vpmaddubsw and vpmaddwd, and
+// the Arm targets (NEON, SVE, SVE2) fp4_e2m1 with sdot on CPUs with the dot-product extension (at
+// the end of this file). It applies from 128 channels a chunk (D a multiple of 128). Per-target
 // header, see kv_decode-inl.h.
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#endif
+#if defined(__aarch64__)
+#include <arm_neon.h>
+#include <asm/hwcap.h>
+#include <sys/auxv.h>
 #endif
 
 #if defined(MJOLNIR_CPU_INT8_DOT_INL_H_) == defined(HWY_TARGET_TOGGLE)
@@ -44,11 +50,18 @@ namespace mjolnir::cpu::HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
 #undef MJOLNIR_INT8_DOT
-#if HWY_TARGET == HWY_AVX3_DL || HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX2
+#undef MJOLNIR_INT8_DOT_ARM
+#if HWY_ARCH_ARM_A64 && HWY_TARGET != HWY_SCALAR && HWY_TARGET != HWY_EMU128
+#define MJOLNIR_INT8_DOT_ARM 1
+#else
+#define MJOLNIR_INT8_DOT_ARM 0
+#endif
+#if HWY_TARGET == HWY_AVX3_DL || HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX2 || \
+    MJOLNIR_INT8_DOT_ARM
 #define MJOLNIR_INT8_DOT 1
 
 // Channels per chunk: 128, decoded into vectors of unsigned bytes (two of 64 with AVX-512 VNNI,
-// four of 32 on AVX2).
+// four of 32 on AVX2, eight of 16 on Arm).
 inline constexpr std::size_t kInt8Chunk = 128;
 
 // The unsigned byte value * kFactor + kBias of every code of a format, repeated to 64 entries
@@ -181,6 +194,44 @@ HWY_INLINE void VisitIntDecoder(Format format, F&& f) {
   } else {
     f.template operator()<IntE2M1>();
   }
+}
+
+#elif MJOLNIR_INT8_DOT_ARM
+
+// True when this CPU executes sdot (Armv8.2's dot-product extension; Armv8.4 and later have it).
+inline bool CpuHasInt8Dot() {
+  static const bool has = (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) != 0;
+  return has;
+}
+
+// As the AVX2 IntE2M1, in eight vectors of 16 bytes: the even and the odd channels of each
+// quarter of a chunk. The table's bytes k + 12 (0..24) are the same values as signed bytes, which
+// sdot multiplies by Q's signed bytes.
+struct IntE2M1 : E2M1Integers {
+  static constexpr std::size_t kVectors = 8, kVectorBytes = 16;
+  struct State {
+    uint8x16_t table;
+  };
+  static HWY_INLINE State MakeState() { return {vld1q_u8(kTable.bytes.data())}; }
+  static HWY_INLINE void Decode(const State& s, const std::uint8_t* row, std::size_t chunk,
+                                int8x16_t (&x)[8]) {
+    const uint8x16_t nibble = vdupq_n_u8(0x0F);
+    for (int m = 0; m < 4; ++m) {
+      const uint8x16_t codes = vld1q_u8(row + chunk * 64 + 16 * m);
+      x[2 * m] = vreinterpretq_s8_u8(vqtbl1q_u8(s.table, vandq_u8(codes, nibble)));
+      x[2 * m + 1] = vreinterpretq_s8_u8(vqtbl1q_u8(s.table, vshrq_n_u8(codes, 4)));
+    }
+  }
+  // Channel (within its chunk) of byte i of vector j.
+  static constexpr std::size_t Channel(std::size_t j, std::size_t i) {
+    return 32 * (j / 2) + 2 * i + j % 2;
+  }
+};
+
+inline bool HasIntDecoder(Format format) { return format == Format::fp4_e2m1; }
+template <class F>
+HWY_INLINE void VisitIntDecoder(Format, F&& f) {
+  f.template operator()<IntE2M1>();
 }
 
 #else  // AVX2, and AVX-512 without VNNI (the AVX3 target)
@@ -348,6 +399,68 @@ HWY_NOINLINE void ScoresInt8(const std::int8_t* HWY_RESTRICT q_bytes,
 
 HWY_POP_ATTRIBUTES
 
+#elif MJOLNIR_INT8_DOT_ARM
+// sdot needs the dot-product extension, which the Arm targets' own options (Highway's NEON:
+// +crypto; SVE: +sve; SVE2: +sve2-aes) do not include: these functions add it, at the
+// architecture that introduced it (CpuHasInt8Dot checks for it at run time).
+#if HWY_TARGET == HWY_NEON
+HWY_PUSH_ATTRIBUTES("arch=armv8.2-a+crypto+dotprod")
+#elif HWY_TARGET == HWY_SVE || HWY_TARGET == HWY_SVE_256
+HWY_PUSH_ATTRIBUTES("arch=armv8.2-a+sve+dotprod")
+#else
+HWY_PUSH_ATTRIBUTES("arch=armv8.2-a+sve2-aes+dotprod")
+#endif
+
+// The int32 lanes of kRows query rows (q_bytes d apart, starting at start[0 .. kRows)) for one
+// key: each chunk decoded once for all of them, then per row 8 sdot, each lane adding 4 byte
+// products.
+template <class Dec, int kRows>
+HWY_INLINE void Int8RowSums(const std::int8_t* HWY_RESTRICT q, std::size_t d,
+                            const std::int32_t* start, const std::uint8_t* k,
+                            const typename Dec::State& state, int32x4_t (&a)[kRows]) {
+  for (int r = 0; r < kRows; ++r) a[r] = vsetq_lane_s32(start[r], vdupq_n_s32(0), 0);
+  for (std::size_t c = 0; c < d / kInt8Chunk; ++c) {
+    int8x16_t x[8];
+    Dec::Decode(state, k, c, x);
+    for (int r = 0; r < kRows; ++r) {
+      const std::int8_t* qc = q + r * d + c * kInt8Chunk;
+      for (int j = 0; j < 8; ++j) a[r] = vdotq_s32(a[r], x[j], vld1q_s8(qc + 16 * j));
+    }
+  }
+}
+
+// As the AVX2 ScoresInt8, key by key, 4 rows at a time, the 4 rows' lanes summed by two pairwise
+// adds.
+template <class Dec>
+HWY_NOINLINE void ScoresInt8(const std::int8_t* HWY_RESTRICT q_bytes,
+                             const std::int32_t* HWY_RESTRICT start, int rows, std::size_t d,
+                             const std::uint8_t* const* bases, std::int64_t offset, int count,
+                             float scale, float* HWY_RESTRICT scores, std::size_t stride,
+                             TilePrefetcher& prefetch, int prefetch_per_key) {
+  const auto state = Dec::MakeState();
+  const float32x4_t scale4 = vdupq_n_f32(scale);
+  for (int t = 0; t < count; ++t) {
+    prefetch.Issue(prefetch_per_key);
+    const std::uint8_t* k = bases[t] + offset;
+    int r = 0;
+    for (; r + 4 <= rows; r += 4) {
+      int32x4_t a[4];
+      Int8RowSums<Dec, 4>(q_bytes + r * d, d, start + r, k, state, a);
+      const int32x4_t sums = vpaddq_s32(vpaddq_s32(a[0], a[1]), vpaddq_s32(a[2], a[3]));
+      alignas(16) float s[4];
+      vst1q_f32(s, vmulq_f32(vcvtq_f32_s32(sums), scale4));
+      for (int i = 0; i < 4; ++i) scores[(r + i) * stride + t] = s[i];
+    }
+    for (; r < rows; ++r) {
+      int32x4_t a[1];
+      Int8RowSums<Dec, 1>(q_bytes + r * d, d, start + r, k, state, a);
+      scores[r * stride + t] = static_cast<float>(vaddvq_s32(a[0])) * scale;
+    }
+  }
+}
+
+HWY_POP_ATTRIBUTES
+
 #else  // AVX2 and AVX3
 
 // The int32 lanes of kRows query rows (q_bytes d apart, starting at start[0 .. kRows)) for one
@@ -413,7 +526,7 @@ HWY_NOINLINE void ScoresInt8(const std::int8_t* HWY_RESTRICT q_bytes,
 
 #else
 #define MJOLNIR_INT8_DOT 0
-#endif  // AVX3_DL, AVX3, AVX2
+#endif  // AVX3_DL, AVX3, AVX2, Arm
 
 }  // namespace mjolnir::cpu::HWY_NAMESPACE
 HWY_AFTER_NAMESPACE();
