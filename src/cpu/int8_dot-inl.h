@@ -399,7 +399,9 @@ HWY_NOINLINE void ScoresInt8(const std::int8_t* HWY_RESTRICT q_bytes,
 
 HWY_POP_ATTRIBUTES
 
-#elif MJOLNIR_INT8_DOT_ARM
+#else  // AVX2, AVX3 and Arm: key by key, 4 rows at a time
+
+#if MJOLNIR_INT8_DOT_ARM
 // sdot needs the dot-product extension, which the Arm targets' own options (Highway's NEON:
 // +crypto; SVE: +sve; SVE2: +sve2-aes) do not include: these functions add it, at the
 // architecture that introduced it (CpuHasInt8Dot checks for it at run time).
@@ -411,13 +413,14 @@ HWY_PUSH_ATTRIBUTES("arch=armv8.2-a+sve+dotprod")
 HWY_PUSH_ATTRIBUTES("arch=armv8.2-a+sve2-aes+dotprod")
 #endif
 
-// The int32 lanes of kRows query rows (q_bytes d apart, starting at start[0 .. kRows)) for one
-// key: each chunk decoded once for all of them, then per row 8 sdot, each lane adding 4 byte
-// products.
+// The sums of kRows query rows (q_bytes d apart, starting at start[0 .. kRows)) for one key: each
+// chunk decoded once for all of them, then per row 8 sdot, each int32 lane adding 4 byte
+// products, and the lanes summed (4 rows by two pairwise adds).
 template <class Dec, int kRows>
-HWY_INLINE void Int8RowSums(const std::int8_t* HWY_RESTRICT q, std::size_t d,
-                            const std::int32_t* start, const std::uint8_t* k,
-                            const typename Dec::State& state, int32x4_t (&a)[kRows]) {
+HWY_INLINE void Int8RowTotals(const std::int8_t* HWY_RESTRICT q, std::size_t d,
+                              const std::int32_t* start, const std::uint8_t* k,
+                              const typename Dec::State& state, std::int32_t* totals) {
+  int32x4_t a[kRows];
   for (int r = 0; r < kRows; ++r) a[r] = vsetq_lane_s32(start[r], vdupq_n_s32(0), 0);
   for (std::size_t c = 0; c < d / kInt8Chunk; ++c) {
     int8x16_t x[8];
@@ -427,50 +430,25 @@ HWY_INLINE void Int8RowSums(const std::int8_t* HWY_RESTRICT q, std::size_t d,
       for (int j = 0; j < 8; ++j) a[r] = vdotq_s32(a[r], x[j], vld1q_s8(qc + 16 * j));
     }
   }
-}
-
-// As the AVX2 ScoresInt8, key by key, 4 rows at a time, the 4 rows' lanes summed by two pairwise
-// adds.
-template <class Dec>
-HWY_NOINLINE void ScoresInt8(const std::int8_t* HWY_RESTRICT q_bytes,
-                             const std::int32_t* HWY_RESTRICT start, int rows, std::size_t d,
-                             const std::uint8_t* const* bases, std::int64_t offset, int count,
-                             float scale, float* HWY_RESTRICT scores, std::size_t stride,
-                             TilePrefetcher& prefetch, int prefetch_per_key) {
-  const auto state = Dec::MakeState();
-  const float32x4_t scale4 = vdupq_n_f32(scale);
-  for (int t = 0; t < count; ++t) {
-    prefetch.Issue(prefetch_per_key);
-    const std::uint8_t* k = bases[t] + offset;
-    int r = 0;
-    for (; r + 4 <= rows; r += 4) {
-      int32x4_t a[4];
-      Int8RowSums<Dec, 4>(q_bytes + r * d, d, start + r, k, state, a);
-      const int32x4_t sums = vpaddq_s32(vpaddq_s32(a[0], a[1]), vpaddq_s32(a[2], a[3]));
-      alignas(16) float s[4];
-      vst1q_f32(s, vmulq_f32(vcvtq_f32_s32(sums), scale4));
-      for (int i = 0; i < 4; ++i) scores[(r + i) * stride + t] = s[i];
-    }
-    for (; r < rows; ++r) {
-      int32x4_t a[1];
-      Int8RowSums<Dec, 1>(q_bytes + r * d, d, start + r, k, state, a);
-      scores[r * stride + t] = static_cast<float>(vaddvq_s32(a[0])) * scale;
-    }
+  if constexpr (kRows == 4) {
+    vst1q_s32(totals, vpaddq_s32(vpaddq_s32(a[0], a[1]), vpaddq_s32(a[2], a[3])));
+  } else {
+    for (int r = 0; r < kRows; ++r) totals[r] = vaddvq_s32(a[r]);
   }
 }
 
-HWY_POP_ATTRIBUTES
-
 #else  // AVX2 and AVX3
 
-// The int32 lanes of kRows query rows (q_bytes d apart, starting at start[0 .. kRows)) for one
-// key: each chunk decoded once for all of them, then per row 4 vpmaddubsw (each int16 lane at
-// most 2 x 24 x 127; the four together below 2^15) and one vpmaddwd into the int32 lanes.
+// The sums of kRows query rows (q_bytes d apart, starting at start[0 .. kRows)) for one key: each
+// chunk decoded once for all of them, then per row 4 vpmaddubsw (each int16 lane at most 2 x 24 x
+// 127; the four together below 2^15) and one vpmaddwd into the int32 lanes, which are summed (4
+// rows by three vphaddd).
 template <class Dec, int kRows>
-HWY_INLINE void Int8RowSums(const std::int8_t* HWY_RESTRICT q, std::size_t d,
-                            const std::int32_t* start, const std::uint8_t* k,
-                            const typename Dec::State& state, __m256i (&a)[kRows]) {
+HWY_INLINE void Int8RowTotals(const std::int8_t* HWY_RESTRICT q, std::size_t d,
+                              const std::int32_t* start, const std::uint8_t* k,
+                              const typename Dec::State& state, std::int32_t* totals) {
   const __m256i ones = _mm256_set1_epi16(1);
+  __m256i a[kRows];
   for (int r = 0; r < kRows; ++r) a[r] = _mm256_setr_epi32(start[r], 0, 0, 0, 0, 0, 0, 0);
   for (std::size_t c = 0; c < d / kInt8Chunk; ++c) {
     __m256i x[4];
@@ -484,10 +462,25 @@ HWY_INLINE void Int8RowSums(const std::int8_t* HWY_RESTRICT q, std::size_t d,
       a[r] = _mm256_add_epi32(a[r], _mm256_madd_epi16(_mm256_add_epi16(s01, s23), ones));
     }
   }
+  if constexpr (kRows == 4) {
+    const __m256i h =
+        _mm256_hadd_epi32(_mm256_hadd_epi32(a[0], a[1]), _mm256_hadd_epi32(a[2], a[3]));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(totals),
+                     _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+  } else {
+    for (int r = 0; r < kRows; ++r) {
+      alignas(32) std::int32_t lanes[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), a[r]);
+      totals[r] = 0;
+      for (const std::int32_t x : lanes) totals[r] += x;
+    }
+  }
 }
 
-// As the AVX-512 ScoresInt8, key by key, 4 rows at a time (16 registers): each key's chunk is
-// decoded once per 4 rows, and the 4 rows' int32 lanes are summed by three vphaddd.
+#endif  // MJOLNIR_INT8_DOT_ARM
+
+// As the AVX-512 ScoresInt8, key by key, 4 rows at a time (16 registers on AVX2): each key's
+// chunk is decoded once per 4 rows.
 template <class Dec>
 HWY_NOINLINE void ScoresInt8(const std::int8_t* HWY_RESTRICT q_bytes,
                              const std::int32_t* HWY_RESTRICT start, int rows, std::size_t d,
@@ -495,32 +488,26 @@ HWY_NOINLINE void ScoresInt8(const std::int8_t* HWY_RESTRICT q_bytes,
                              float scale, float* HWY_RESTRICT scores, std::size_t stride,
                              TilePrefetcher& prefetch, int prefetch_per_key) {
   const auto state = Dec::MakeState();
-  const __m128 scale4 = _mm_set1_ps(scale);
   for (int t = 0; t < count; ++t) {
     prefetch.Issue(prefetch_per_key);
     const std::uint8_t* k = bases[t] + offset;
     int r = 0;
     for (; r + 4 <= rows; r += 4) {
-      __m256i a[4];
-      Int8RowSums<Dec, 4>(q_bytes + r * d, d, start + r, k, state, a);
-      const __m256i h =
-          _mm256_hadd_epi32(_mm256_hadd_epi32(a[0], a[1]), _mm256_hadd_epi32(a[2], a[3]));
-      const __m128i sums = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
-      alignas(16) float s[4];
-      _mm_store_ps(s, _mm_mul_ps(_mm_cvtepi32_ps(sums), scale4));
-      for (int i = 0; i < 4; ++i) scores[(r + i) * stride + t] = s[i];
+      alignas(16) std::int32_t totals[4];
+      Int8RowTotals<Dec, 4>(q_bytes + r * d, d, start + r, k, state, totals);
+      for (int i = 0; i < 4; ++i) scores[(r + i) * stride + t] = float(totals[i]) * scale;
     }
     for (; r < rows; ++r) {
-      __m256i a[1];
-      Int8RowSums<Dec, 1>(q_bytes + r * d, d, start + r, k, state, a);
-      alignas(32) std::int32_t lanes[8];
-      _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), a[0]);
-      std::int32_t sum = 0;
-      for (const std::int32_t x : lanes) sum += x;
-      scores[r * stride + t] = static_cast<float>(sum) * scale;
+      std::int32_t total;
+      Int8RowTotals<Dec, 1>(q_bytes + r * d, d, start + r, k, state, &total);
+      scores[r * stride + t] = float(total) * scale;
     }
   }
 }
+
+#if MJOLNIR_INT8_DOT_ARM
+HWY_POP_ATTRIBUTES
+#endif
 
 #endif  // HWY_TARGET == HWY_AVX3_DL
 
