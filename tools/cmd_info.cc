@@ -51,10 +51,11 @@ int run_info() {
   // off (cpu_kernel_options_from_environment).
   const cpu::KernelConfig kernels =
       cpu::resolve_kernel_config(cpu_kernel_options_from_environment());
-  std::printf("bf16 dot products (Q . K with Q in bf16 or fp8): %s\n",
-              !cpu::cpu_has_bf16_dot() ? "no (the dispatched target or the CPU lacks AVX512_BF16)"
-              : kernels.bf16_dot       ? "yes"
-                                       : "off (MJOLNIR_CPU_BF16_DOT=0)");
+  std::printf(
+      "bf16 dot products (Q . K with Q in bf16 or fp8; P . V with P in bf16 without AMX): %s\n",
+      !cpu::cpu_has_bf16_dot() ? "no (the dispatched target or the CPU lacks AVX512_BF16)"
+      : kernels.bf16_dot       ? "yes"
+                               : "off (MJOLNIR_CPU_BF16_DOT=0)");
   std::printf(
       "AMX tiles (Q . K from 8 query rows, where the dot products apply; P . V with P in bf16): "
       "%s\n",
