@@ -233,8 +233,9 @@ def kernel_rates_table(rates: dict, source: str) -> list[str]:
         "| format | g | q_len | Q | ns per token-head | FMA floor (ns) | of FMA peak | GB per CPU-second |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    # Names: Decode/FORMAT/gG/q_lenQ[/qMODE] (files before the Q modes have no mode: fp32); rows
-    # of a format by Q mode, then g and q_len (interleaved runs list them in any order).
+    # Names: Decode/FORMAT/gG/q_lenQ[/qMODE[/pMODE]] (files before the Q modes have no mode: fp32;
+    # P is fp32 unless named); rows of a format by Q mode, then g and q_len (interleaved runs list
+    # them in any order).
     def order(b: dict) -> tuple:
         _, _, group, q_len, *mode = b["name"].split("/")
         return (mode != [] and mode[0] != "qfp32", int(group[1:]) * 10 + int(q_len[5:]))
@@ -246,7 +247,7 @@ def kernel_rates_table(rates: dict, source: str) -> list[str]:
             if fmt != f:
                 continue
             ns = b["ns_per_token_head"]
-            q_mode = mode[0][1:] if mode else "fp32"
+            q_mode = (mode[0][1:] if mode else "fp32") + (f", P {mode[1][1:]}" if len(mode) > 1 else "")
             lines.append(
                 f"| {f} | {group[1:]} | {q_len[5:]} | {q_mode} | {ns:.1f} | {b['fma_floor_ns']:.1f} | "
                 f"{b['fma_floor_ns'] / ns:.2f} | {b['GB_per_cpu_s']:.2f} |"
