@@ -413,13 +413,13 @@ HWY_PUSH_ATTRIBUTES("arch=armv8.2-a+sve+dotprod")
 HWY_PUSH_ATTRIBUTES("arch=armv8.2-a+sve2-aes+dotprod")
 #endif
 
-// The sums of kRows query rows (q_bytes d apart, starting at start[0 .. kRows)) for one key: each
-// chunk decoded once for all of them, then per row 8 sdot, each int32 lane adding 4 byte
-// products, and the lanes summed (4 rows by two pairwise adds).
+// The scores (scale times the sums) of kRows query rows (q_bytes d apart, starting at start[0 ..
+// kRows)) for one key: each chunk decoded once for all of them, then per row 8 sdot, each int32
+// lane adding 4 byte products, and the lanes summed (4 rows by two pairwise adds).
 template <class Dec, int kRows>
-HWY_INLINE void Int8RowTotals(const std::int8_t* HWY_RESTRICT q, std::size_t d,
+HWY_INLINE void Int8RowScores(const std::int8_t* HWY_RESTRICT q, std::size_t d,
                               const std::int32_t* start, const std::uint8_t* k,
-                              const typename Dec::State& state, std::int32_t* totals) {
+                              const typename Dec::State& state, float scale, float* out) {
   int32x4_t a[kRows];
   for (int r = 0; r < kRows; ++r) a[r] = vsetq_lane_s32(start[r], vdupq_n_s32(0), 0);
   for (std::size_t c = 0; c < d / kInt8Chunk; ++c) {
@@ -431,22 +431,23 @@ HWY_INLINE void Int8RowTotals(const std::int8_t* HWY_RESTRICT q, std::size_t d,
     }
   }
   if constexpr (kRows == 4) {
-    vst1q_s32(totals, vpaddq_s32(vpaddq_s32(a[0], a[1]), vpaddq_s32(a[2], a[3])));
+    const int32x4_t sums = vpaddq_s32(vpaddq_s32(a[0], a[1]), vpaddq_s32(a[2], a[3]));
+    vst1q_f32(out, vmulq_f32(vcvtq_f32_s32(sums), vdupq_n_f32(scale)));
   } else {
-    for (int r = 0; r < kRows; ++r) totals[r] = vaddvq_s32(a[r]);
+    for (int r = 0; r < kRows; ++r) out[r] = static_cast<float>(vaddvq_s32(a[r])) * scale;
   }
 }
 
 #else  // AVX2 and AVX3
 
-// The sums of kRows query rows (q_bytes d apart, starting at start[0 .. kRows)) for one key: each
-// chunk decoded once for all of them, then per row 4 vpmaddubsw (each int16 lane at most 2 x 24 x
-// 127; the four together below 2^15) and one vpmaddwd into the int32 lanes, which are summed (4
-// rows by three vphaddd).
+// The scores (scale times the sums) of kRows query rows (q_bytes d apart, starting at start[0 ..
+// kRows)) for one key: each chunk decoded once for all of them, then per row 4 vpmaddubsw (each
+// int16 lane at most 2 x 24 x 127; the four together below 2^15) and one vpmaddwd into the int32
+// lanes, which are summed (4 rows by three vphaddd).
 template <class Dec, int kRows>
-HWY_INLINE void Int8RowTotals(const std::int8_t* HWY_RESTRICT q, std::size_t d,
+HWY_INLINE void Int8RowScores(const std::int8_t* HWY_RESTRICT q, std::size_t d,
                               const std::int32_t* start, const std::uint8_t* k,
-                              const typename Dec::State& state, std::int32_t* totals) {
+                              const typename Dec::State& state, float scale, float* out) {
   const __m256i ones = _mm256_set1_epi16(1);
   __m256i a[kRows];
   for (int r = 0; r < kRows; ++r) a[r] = _mm256_setr_epi32(start[r], 0, 0, 0, 0, 0, 0, 0);
@@ -465,14 +466,15 @@ HWY_INLINE void Int8RowTotals(const std::int8_t* HWY_RESTRICT q, std::size_t d,
   if constexpr (kRows == 4) {
     const __m256i h =
         _mm256_hadd_epi32(_mm256_hadd_epi32(a[0], a[1]), _mm256_hadd_epi32(a[2], a[3]));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(totals),
-                     _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+    const __m128i sums = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+    _mm_storeu_ps(out, _mm_mul_ps(_mm_cvtepi32_ps(sums), _mm_set1_ps(scale)));
   } else {
     for (int r = 0; r < kRows; ++r) {
       alignas(32) std::int32_t lanes[8];
       _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), a[r]);
-      totals[r] = 0;
-      for (const std::int32_t x : lanes) totals[r] += x;
+      std::int32_t sum = 0;
+      for (const std::int32_t x : lanes) sum += x;
+      out[r] = static_cast<float>(sum) * scale;
     }
   }
 }
@@ -493,14 +495,13 @@ HWY_NOINLINE void ScoresInt8(const std::int8_t* HWY_RESTRICT q_bytes,
     const std::uint8_t* k = bases[t] + offset;
     int r = 0;
     for (; r + 4 <= rows; r += 4) {
-      alignas(16) std::int32_t totals[4];
-      Int8RowTotals<Dec, 4>(q_bytes + r * d, d, start + r, k, state, totals);
-      for (int i = 0; i < 4; ++i) scores[(r + i) * stride + t] = float(totals[i]) * scale;
+      alignas(16) float s[4];
+      Int8RowScores<Dec, 4>(q_bytes + r * d, d, start + r, k, state, scale, s);
+      for (int i = 0; i < 4; ++i) scores[(r + i) * stride + t] = s[i];
     }
     for (; r < rows; ++r) {
-      std::int32_t total;
-      Int8RowTotals<Dec, 1>(q_bytes + r * d, d, start + r, k, state, &total);
-      scores[r * stride + t] = float(total) * scale;
+      Int8RowScores<Dec, 1>(q_bytes + r * d, d, start + r, k, state, scale,
+                            &scores[r * stride + t]);
     }
   }
 }
