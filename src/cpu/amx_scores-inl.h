@@ -316,12 +316,12 @@ HWY_NOINLINE void ScoresAmx(const std::uint16_t* HWY_RESTRICT q_tiles, int rows,
 
 HWY_POP_ATTRIBUTES
 
-// The tile configuration for the scope of a work unit, where `use`: value_rows (1 to 16) query
-// rows in P . V's A and C tiles (AmxTileConfig).
+// The tile configuration for the scope of a work unit, where `use`: P . V's A and C tiles hold
+// value_rows query rows, 16 from 16 on (AmxTileConfig).
 class AmxTiles {
  public:
   AmxTiles(bool use, int value_rows) : use_(use) {
-    if (use_) ConfigureAmxTiles(value_rows);
+    if (use_) ConfigureAmxTiles(value_rows < kAmxRows ? value_rows : kAmxRows);
   }
   ~AmxTiles() {
     if (use_) ReleaseAmxTiles();

@@ -92,6 +92,33 @@ constexpr std::size_t AmxValueChannel(std::size_t i) {
 
 HWY_PUSH_ATTRIBUTES("amx-tile,amx-bf16,avx512bf16")
 
+// V's words of keys t < count and t + 1 (zero where past count) for chunk c, as four vectors of 16
+// channel pairs: B's rows of channel groups 4c .. 4c + 3 (AmxValueChannel), and the dot products'
+// operands (dot_values-inl.h).
+template <class Dot>
+HWY_INLINE void ValuePairs(const typename Dot::State& state, const std::uint8_t* const* bases,
+                           std::int64_t offset, int t, int count, std::size_t c, std::size_t d,
+                           Words pairs[4]) {
+  const WordTag dw;
+  Words a0, a1, b0 = hn::Zero(dw), b1 = hn::Zero(dw);
+  const std::uint8_t* row_a = bases[t] + offset;
+  Dot::Decode(state, row_a, c, a0, a1);
+  if constexpr (std::is_same_v<Dot, DotNvfp4>) {
+    ScaleNvfp4Words(Dot::GroupScales(row_a, c / 4, d), c, a0, a1);
+  }
+  if (t + 1 < count) {
+    const std::uint8_t* row_b = bases[t + 1] + offset;
+    Dot::Decode(state, row_b, c, b0, b1);
+    if constexpr (std::is_same_v<Dot, DotNvfp4>) {
+      ScaleNvfp4Words(Dot::GroupScales(row_b, c / 4, d), c, b0, b1);
+    }
+  }
+  pairs[0].raw = _mm512_unpacklo_epi16(a0.raw, b0.raw);
+  pairs[1].raw = _mm512_unpackhi_epi16(a0.raw, b0.raw);
+  pairs[2].raw = _mm512_unpacklo_epi16(a1.raw, b1.raw);
+  pairs[3].raw = _mm512_unpackhi_epi16(a1.raw, b1.raw);
+}
+
 // B tiles of the count V rows at bases[t] + offset: for each 32-key block b and channel group G,
 // tile (b, G) at v_tiles + (b * groups + G) * 512 words, row p = keys 2p and 2p + 1 of the block,
 // interleaved over the group's 16 channels. Keys past count are zero.
@@ -102,36 +129,16 @@ HWY_INLINE void PrepareValueTiles(const std::uint8_t* const* bases, std::int64_t
   const WordTag dw;
   const auto state = Dot::MakeState();
   const std::size_t groups = d / kAmxChannels;
-  const std::size_t chunks = d / kDotChunk;
   const int blocks = (count + kAmxKeys - 1) / kAmxKeys;
   for (int pair = 0; pair < blocks * kAmxKeys / 2; ++pair) {
     const int block = pair / 16, p = pair % 16;
     const int t = 2 * pair;
     prefetch.Issue(2 * prefetch_per_key);
-    [[maybe_unused]] hn::Vec<WideFloatTag> scales_a, scales_b;
-    for (std::size_t c = 0; c < chunks; ++c) {
-      Words a0 = hn::Zero(dw), a1 = hn::Zero(dw), b0 = hn::Zero(dw), b1 = hn::Zero(dw);
-      if (t < count) {
-        const std::uint8_t* row = bases[t] + offset;
-        Dot::Decode(state, row, c, a0, a1);
-        if constexpr (std::is_same_v<Dot, DotNvfp4>) {
-          if (c % 4 == 0) scales_a = Dot::GroupScales(row, c / 4, d);
-          ScaleNvfp4Words(scales_a, c, a0, a1);
-        }
-      }
-      if (t + 1 < count) {
-        const std::uint8_t* row = bases[t + 1] + offset;
-        Dot::Decode(state, row, c, b0, b1);
-        if constexpr (std::is_same_v<Dot, DotNvfp4>) {
-          if (c % 4 == 0) scales_b = Dot::GroupScales(row, c / 4, d);
-          ScaleNvfp4Words(scales_b, c, b0, b1);
-        }
-      }
+    for (std::size_t c = 0; c < d / kDotChunk; ++c) {
+      Words v[4] = {hn::Zero(dw), hn::Zero(dw), hn::Zero(dw), hn::Zero(dw)};
+      if (t < count) ValuePairs<Dot>(state, bases, offset, t, count, c, d, v);
       std::uint16_t* tiles = v_tiles + (std::size_t(block) * groups + 4 * c) * 512 + 32 * p;
-      hn::Store(Words{_mm512_unpacklo_epi16(a0.raw, b0.raw)}, dw, tiles);
-      hn::Store(Words{_mm512_unpackhi_epi16(a0.raw, b0.raw)}, dw, tiles + 512);
-      hn::Store(Words{_mm512_unpacklo_epi16(a1.raw, b1.raw)}, dw, tiles + 2 * 512);
-      hn::Store(Words{_mm512_unpackhi_epi16(a1.raw, b1.raw)}, dw, tiles + 3 * 512);
+      for (int q = 0; q < 4; ++q) hn::Store(v[q], dw, tiles + q * 512);
     }
   }
 }

@@ -323,7 +323,7 @@ void RunUnit(const KernelConfig& config, const DecodeArgs& args, const Plan& pla
                   scratch.floats(kKeysNatural, std::size_t(kSubTokens) * d), channel_of, natural};
   }
   std::size_t column_floats = 0;
-  std::uint16_t* amx_value_tiles = nullptr;
+  std::uint16_t* value_scratch = nullptr;
 #if MJOLNIR_AMX
   // On the tiles, scores are kept in the tiles' layout, [keys][padded rows] (amx_values-inl.h).
   if (paths.amx_values) {
@@ -337,25 +337,25 @@ void RunUnit(const KernelConfig& config, const DecodeArgs& args, const Plan& pla
     score_scratch.amx_keys =
         reinterpret_cast<std::uint16_t*>(score_scratch.amx_sums + kAmxSumFloats);
   }
-  // On the dot products, the P pairs of one head's tile.
+  // P . V's scratch. On the dot products: the P pairs of one head's tile (A rows, unpadded).
   if (paths.dot_values) {
-    amx_value_tiles =
-        reinterpret_cast<std::uint16_t*>(scratch.floats(kAmxValues, DotProbWords(tile, rows) / 2));
+    value_scratch =
+        reinterpret_cast<std::uint16_t*>(scratch.floats(kAmxValues, AmxProbWords(tile, rows) / 2));
     scratch.counts.dot_values += std::uint64_t(heads);
   }
   // V's B tiles of the tile (one head at a time), then each head's P A-rows.
   if (paths.amx_values) {
     const std::size_t value_words = AmxValueWords(tile, std::size_t(d));
     const std::size_t prob_words = AmxProbWords(tile, paths.value_rows);
-    amx_value_tiles = reinterpret_cast<std::uint16_t*>(
+    value_scratch = reinterpret_cast<std::uint16_t*>(
         scratch.floats(kAmxValues, (value_words + prob_words * heads) / 2));
     for (int h = 0; h < heads; ++h) {
-      head_state[h].prob_words = amx_value_tiles + value_words + prob_words * h;
+      head_state[h].prob_words = value_scratch + value_words + prob_words * h;
       ++scratch.counts.amx_values;
     }
   }
   const AmxTiles amx_tiles(paths.amx_scores || paths.amx_values,
-                           std::min(paths.amx_values ? paths.value_rows : kAmxRows, kAmxRows));
+                           paths.amx_values ? paths.value_rows : kAmxRows);
 #endif
   score_scratch.scores =
       scratch.floats(kScores, std::max(std::size_t(rows) * stride, column_floats));
@@ -433,7 +433,7 @@ void RunUnit(const KernelConfig& config, const DecodeArgs& args, const Plan& pla
     for (int h = 0; h < heads; ++h) {
       AccumulateHeadValues<Decoder>(paths, head_state[h], rows_of_tile,
                                     probs_all + std::size_t(h) * rows * stride, stride,
-                                    amx_value_tiles, prefetcher, per_pass);
+                                    value_scratch, prefetcher, per_pass);
     }
     std::swap(bases, next_bases);
   }
@@ -554,12 +554,13 @@ bool amx_scores_apply(const KernelConfig& config, Format format, int rows, int h
          bf16_dot_applies(config, format, QMode::bf16, head_dim);
 }
 
-bool amx_values_apply(const KernelConfig& config, Format format, PMode p_mode, int head_dim) {
-  return p_mode == PMode::bf16 && format != Format::fp16 && head_dim % 64 == 0 && config.amx;
-}
-
 bool dot_values_apply(const KernelConfig& config, Format format, PMode p_mode, int head_dim) {
   return p_mode == PMode::bf16 && bf16_dot_applies(config, format, QMode::bf16, head_dim);
+}
+
+bool amx_values_apply(const KernelConfig& config, Format format, PMode p_mode, int head_dim) {
+  // The tiles take V as the dot products' words (config.amx implies config.bf16_dot).
+  return config.amx && dot_values_apply(config, format, p_mode, head_dim);
 }
 
 void run_work_unit(const KernelConfig& config, const DecodeArgs& args, const Plan& plan,

@@ -42,40 +42,8 @@ namespace hn = hwy::HWY_NAMESPACE;
 
 #if MJOLNIR_AMX  // the AVX3_DL target: the word decoders and the value tiles' channel order
 
-// Words of the P pairs ValuesDot keeps for one head and tile (PrepareProbWords' layout, rows
-// unpadded).
-inline std::size_t DotProbWords(int tile_tokens, int rows) {
-  return std::size_t((tile_tokens + kAmxKeys - 1) / kAmxKeys) * std::size_t(rows) * kAmxRowWords;
-}
-
 // The amx-tile attributes only so that ScaleNvfp4Words inlines: nothing here uses the tiles.
 HWY_PUSH_ATTRIBUTES("amx-tile,amx-bf16,avx512bf16")
-
-// V's words of keys t and t + 1 (zero where past count) for chunk c, as four vectors of 16
-// channel pairs: the accumulator's channel groups 4c .. 4c + 3.
-template <class Dot>
-HWY_INLINE void ValuePairs(const typename Dot::State& state, const std::uint8_t* const* bases,
-                           std::int64_t offset, int t, int count, std::size_t c, std::size_t d,
-                           Words pairs[4]) {
-  const WordTag dw;
-  Words a0, a1, b0 = hn::Zero(dw), b1 = hn::Zero(dw);
-  const std::uint8_t* row_a = bases[t] + offset;
-  Dot::Decode(state, row_a, c, a0, a1);
-  if constexpr (std::is_same_v<Dot, DotNvfp4>) {
-    ScaleNvfp4Words(Dot::GroupScales(row_a, c / 4, d), c, a0, a1);
-  }
-  if (t + 1 < count) {
-    const std::uint8_t* row_b = bases[t + 1] + offset;
-    Dot::Decode(state, row_b, c, b0, b1);
-    if constexpr (std::is_same_v<Dot, DotNvfp4>) {
-      ScaleNvfp4Words(Dot::GroupScales(row_b, c / 4, d), c, b0, b1);
-    }
-  }
-  pairs[0].raw = _mm512_unpacklo_epi16(a0.raw, b0.raw);
-  pairs[1].raw = _mm512_unpackhi_epi16(a0.raw, b0.raw);
-  pairs[2].raw = _mm512_unpacklo_epi16(a1.raw, b1.raw);
-  pairs[3].raw = _mm512_unpackhi_epi16(a1.raw, b1.raw);
-}
 
 // kRows rows' accumulators of chunk c (acc + r * ld, groups 4c .. 4c + 3) = alpha * acc + P . V
 // over the count keys; row r's P pairs are the dwords of p_words + r * 32 in each 32-key block
@@ -109,8 +77,9 @@ HWY_INLINE void ValueDotBlock(const typename Dot::State& state, const std::uint1
 }
 
 // acc [rows][ld] (AmxValueChannel order) = alpha * acc + P [rows][0, count) . the count V rows at
-// bases[t] + offset; p_words: DotProbWords words of scratch, 64-byte aligned. prefetch_per_pass
-// rows are prefetched per pass over the keys (a chunk of 64 channels for up to 4 rows).
+// bases[t] + offset; p_words: AmxProbWords(count, rows) words of scratch, 64-byte aligned.
+// prefetch_per_pass rows are prefetched per pass over the keys (a chunk of 64 channels for up to 4
+// rows).
 template <class Dot>
 HWY_NOINLINE void ValuesDot(const float* HWY_RESTRICT probs, std::size_t stride, int rows,
                             const std::uint8_t* const* bases, std::int64_t offset, int count,

@@ -69,11 +69,11 @@ using DotOf = typename DotDecoderOf<Decoder>::type;
 #endif
 
 // The paths of a unit of `rows` query rows. P mode bf16 rounds P from the kernel's own scores
-// (docs/numerics.md) and takes P . V onto the tiles where they exist, from kAmxMinRows rows,
-// and onto the bf16 dot products below them or without the tiles; P mode fp8, whose codes
+// (docs/numerics.md) and takes P . V onto the tiles where they exist, else onto the bf16 dot
+// products (nvfp4 from kAmxMinRows rows); P mode fp8, whose codes
 // are 16 times coarser, computes the scores in the emulator's order. Where the bf16 dot products
 // apply, Q . K goes on AMX tiles on CPUs that have them; Q mode int8 against codes that are small
-// integers goes on VNNI or vpmaddubsw, below the rows where the tiles take it.
+// integers goes on VNNI, vpmaddubsw or sdot, below the rows where the tiles take it.
 template <class Decoder>
 UnitPaths ChooseUnitPaths(const KernelConfig& config, const DecodeArgs& args, int rows) {
   const Format format = args.cache.geometry.format;
@@ -270,13 +270,13 @@ void ScoreHeadTile(const UnitPaths& paths, HeadState& hs, const TileRows& tile,
   SoftmaxTile(it, s.scores, probs, s.stride, tile.first, tile.count, p_exp, hs.state);
 }
 
-// acc = alpha * acc + P . V over one tile for one head, on AMX tiles (value_tiles: scratch for
-// the tile's V as B tiles), the bf16 dot products (value_tiles: scratch for the tile's P pairs)
+// acc = alpha * acc + P . V over one tile for one head, on AMX tiles (value_scratch: scratch for
+// the tile's V as B tiles), the bf16 dot products (value_scratch: scratch for the tile's P pairs)
 // or fp32 FMAs; prefetch_rows prefetched rows a pass.
 template <class Decoder>
 void AccumulateHeadValues(const UnitPaths& paths, HeadState& hs, const TileRows& tile,
                           const float* HWY_RESTRICT probs, std::size_t stride,
-                          std::uint16_t* value_tiles, TilePrefetcher& prefetcher,
+                          std::uint16_t* value_scratch, TilePrefetcher& prefetcher,
                           int prefetch_rows) {
   const ItemContext& it = hs.it;
   if (paths.amx_values) {
@@ -285,7 +285,7 @@ void AccumulateHeadValues(const UnitPaths& paths, HeadState& hs, const TileRows&
       // P is in the A rows already where the scores ran on the tiles (SoftmaxColumns).
       ValuesAmx<DotOf<Decoder>>(hs.path == ScorePath::amx ? nullptr : probs, stride, it.rows,
                                 paths.value_rows, tile.bases, hs.v_offset, tile.count,
-                                std::size_t(it.d), hs.acc, it.ld, hs.state.alpha, value_tiles,
+                                std::size_t(it.d), hs.acc, it.ld, hs.state.alpha, value_scratch,
                                 hs.prob_words, prefetcher, prefetch_rows);
     }
 #endif
@@ -295,7 +295,7 @@ void AccumulateHeadValues(const UnitPaths& paths, HeadState& hs, const TileRows&
 #if MJOLNIR_AMX
     if constexpr (!std::is_void_v<DotOf<Decoder>>) {
       ValuesDot<DotOf<Decoder>>(probs, stride, it.rows, tile.bases, hs.v_offset, tile.count,
-                                std::size_t(it.d), hs.acc, it.ld, hs.state.alpha, value_tiles,
+                                std::size_t(it.d), hs.acc, it.ld, hs.state.alpha, value_scratch,
                                 prefetcher, prefetch_rows);
     }
 #endif
