@@ -974,14 +974,16 @@ struct Step {
     a.o = {out.o_data(), std::int64_t(num_q_heads) * spec.head_dim, spec.head_dim};
     if (spec.with_lse) a.lse = {out.lse_data(), rows() * num_q_heads};
     mjolnir::validate(a);
-    mjolnir::Plan plan(mjolnir::PlanCapacity{int(spec.seq_lens.size()), spec.num_kv_heads, 8});
+    mjolnir::BackendPlan plan(
+        mjolnir::PlanCapacity{int(spec.seq_lens.size()), spec.num_kv_heads, 8});
     mjolnir::PlanOptions options;
     options.workers = backend.workers();
     options.max_splits = 8;
     options.fixed_splits = spec.fixed_splits;
     options.tile_tokens = spec.tile_tokens;
-    mjolnir::make_plan(plan, spec.seq_lens, spec.q_len, spec.num_kv_heads, options);
-    std::vector<std::byte> workspace(backend.workspace_bytes(plan, a.cache.geometry, a.params));
+    backend.plan(plan, a.step_shape(), options);
+    std::vector<std::byte> workspace(
+        backend.workspace_bytes(plan.plan(), a.cache.geometry, a.params));
     backend.run(a, plan, workspace);
   }
 };

@@ -190,11 +190,11 @@ TEST(Concurrency, SharedCpuBackendPlanAndCacheGiveTheSingleThreadedBits) {
   const DecodeArgs base = problem.args();
 
   const auto backend = make_backend("cpu", {.threads = 2});
-  Plan plan(PlanCapacity{base.batch.num_seqs(), spec.num_kv_heads, 16});
+  BackendPlan plan(PlanCapacity{base.batch.num_seqs(), spec.num_kv_heads, 16});
   // Planned for more workers than the backend has, so the long sequences are split and the
   // split merges run as well as the token-part merges of chunks cut for the threads.
-  make_plan(plan, base.step_shape(), PlanOptions{.workers = 16});
-  ASSERT_GT(plan.num_partials, 0) << "the step should split a sequence (merges run too)";
+  backend->plan(plan, base.step_shape(), PlanOptions{.workers = 16});
+  ASSERT_GT(plan.plan().num_partials, 0) << "the step should split a sequence (merges run too)";
 
   // Each thread's queries and modes differ, so a thread handed another's result is caught.
   constexpr int kVariants = 3;
@@ -208,8 +208,9 @@ TEST(Concurrency, SharedCpuBackendPlanAndCacheGiveTheSingleThreadedBits) {
       const NumericsModes modes = kModes[(t * kVariants + v) % std::size(kModes)];
       variant.params.q_mode = modes.q_mode;
       variant.params.p_mode = modes.p_mode;
-      workspace_bytes = std::max(
-          workspace_bytes, backend->workspace_bytes(plan, base.cache.geometry, variant.params));
+      workspace_bytes =
+          std::max(workspace_bytes,
+                   backend->workspace_bytes(plan.plan(), base.cache.geometry, variant.params));
     }
   }
 
@@ -299,17 +300,17 @@ struct Lane {
   std::unique_ptr<verify::Problem> problem;
   std::unique_ptr<Outputs> expected;
 
-  void step(Plan& plan, std::vector<std::byte>& workspace, Outputs& out) const {
+  void step(BackendPlan& plan, std::vector<std::byte>& workspace, Outputs& out) const {
     const DecodeArgs args = problem->args();
     PlanOptions options{.workers = backend->workers()};
-    make_plan(plan, args.step_shape(), options);
-    workspace.resize(backend->workspace_bytes(plan, args.cache.geometry, args.params));
+    backend->plan(plan, args.step_shape(), options);
+    workspace.resize(backend->workspace_bytes(plan.plan(), args.cache.geometry, args.params));
     out.poison();
     backend->run(out.bind(args, problem->query()), plan, workspace);
   }
-  Plan new_plan() const {
+  BackendPlan new_plan() const {
     const DecodeArgs args = problem->args();
-    return Plan(PlanCapacity{args.batch.num_seqs(), args.cache.geometry.num_kv_heads, 16});
+    return BackendPlan(PlanCapacity{args.batch.num_seqs(), args.cache.geometry.num_kv_heads, 16});
   }
 };
 
@@ -318,7 +319,7 @@ struct Lane {
 void check_lanes(std::vector<Lane>& lanes) {
   for (Lane& lane : lanes) {
     SCOPED_TRACE(describe(lane.problem->spec()));
-    Plan plan = lane.new_plan();
+    BackendPlan plan = lane.new_plan();
     std::vector<std::byte> workspace;
     lane.expected = std::make_unique<Outputs>(lane.problem->args());
     lane.step(plan, workspace, *lane.expected);
@@ -330,7 +331,7 @@ void check_lanes(std::vector<Lane>& lanes) {
   std::vector<ThreadReport> reports(lanes.size());
   run_threads([&](int t) {
     const Lane& lane = lanes[t];
-    Plan plan = lane.new_plan();
+    BackendPlan plan = lane.new_plan();
     std::vector<std::byte> workspace;
     Outputs out(lane.problem->args());
     for (int step = 0; step < steps(); ++step) {
@@ -544,9 +545,9 @@ TEST(Concurrency, WriteKvIntoFreePagesWhileDecodingTheOthers) {
   }
 
   const auto backend = make_backend("cpu", {.threads = 2});
-  Plan plan(PlanCapacity{base.batch.num_seqs(), spec.num_kv_heads, 16});
-  make_plan(plan, base.step_shape(), PlanOptions{.workers = backend->workers()});
-  const std::size_t workspace_bytes = backend->workspace_bytes(plan, geometry, base.params);
+  BackendPlan plan(PlanCapacity{base.batch.num_seqs(), spec.num_kv_heads, 16});
+  backend->plan(plan, base.step_shape(), PlanOptions{.workers = backend->workers()});
+  const std::size_t workspace_bytes = backend->workspace_bytes(plan.plan(), geometry, base.params);
   Outputs expected(base);
   {
     std::vector<std::byte> workspace(workspace_bytes);

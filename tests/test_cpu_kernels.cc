@@ -916,6 +916,27 @@ TEST(CpuWorkUnits, CoverEveryItemOnce) {
           }
           ASSERT_EQ(at, plan.items[i].kv_end) << "item " << i << " threads " << threads;
         }
+        // One merge task per (merge, KV head of it), in order.
+        std::vector<std::pair<int, int>> tasks;
+        for (int m = 0; m < int(schedule.merges.size()); ++m) {
+          for (int h = 0; h < schedule.merges[m].heads; ++h) tasks.emplace_back(m, h);
+        }
+        ASSERT_EQ(schedule.merge_tasks, tasks) << "threads " << threads;
+      }
+      // What plan() prepares: both kinds of units, and a merge per KV head of each split tile.
+      cpu::CpuPlan prepared;
+      cpu::prepare_cpu_plan(plan, options.workers, prepared);
+      ASSERT_EQ(prepared.threads, options.workers);
+      ASSERT_EQ(&prepared.units_for(PMode::fp32), &prepared.token_parts);
+      ASSERT_EQ(&prepared.units_for(PMode::bf16), &prepared.plan_tiles);
+      ASSERT_EQ(&prepared.units_for(PMode::fp8), &prepared.plan_tiles);
+      ASSERT_TRUE(prepared.plan_tiles.merges.empty()) << "P codes of the plan's tiles were cut";
+      int split_tiles = 0;
+      for (int i = 0; i < plan.num_query_tiles; ++i) split_tiles += plan.num_splits[i] > 1;
+      ASSERT_EQ(prepared.tile_merges.size(), std::size_t(split_tiles * hk));
+      for (const auto& [tile, head] : prepared.tile_merges) {
+        ASSERT_GT(plan.num_splits[tile], 1);
+        ASSERT_LT(head, hk);
       }
     }
   }

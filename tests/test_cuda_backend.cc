@@ -163,8 +163,9 @@ TEST(CudaBackend, RejectsHostMemoryNamingTheArgument) {
   verify::Problem problem(small_spec(testing::test_seed()));
   const DecodeArgs args = problem.args();
   const auto backend = make_backend("cuda");
-  Plan plan(PlanCapacity{args.batch.num_seqs(), 2, 1});
-  make_plan(plan, args.batch.seq_lens, 1, 2, PlanOptions{});
+  BackendPlan plan(PlanCapacity{args.batch.num_seqs(), 2, 1});
+  backend->plan(plan, StepShape{.seq_lens = args.batch.seq_lens, .q_len = 1, .num_kv_heads = 2},
+                PlanOptions{});
   try {
     backend->run(args, plan, {});
     ADD_FAILURE() << "host arguments were accepted";
@@ -186,8 +187,8 @@ TEST(CudaBackend, EmptyBatchDoesNothing) {
   spec.seq_lens = {};
   verify::Problem problem(spec);
   const auto backend = cuda::make_staging_backend({});
-  Plan plan(PlanCapacity{0, 2, 1});
-  make_plan(plan, {}, 1, 2, PlanOptions{});
+  BackendPlan plan(PlanCapacity{0, 2, 1});
+  backend->plan(plan, StepShape{.q_len = 1, .num_kv_heads = 2}, PlanOptions{});
   EXPECT_NO_THROW(backend->run(problem.args(), plan, {}));
 }
 
@@ -240,15 +241,15 @@ TEST(CudaBackend, RunsAPlanWithExactlyItsPartialSlots) {
   options.max_splits = 4;
   options.tile_tokens = 128;
   const StepShape shape = on_gpu.args().step_shape();
-  Plan plan(capacity_for(shape, options));
-  make_plan(plan, shape, options);
-  ASSERT_LT(plan.partial_slots(), plan.capacity.max_seqs * plan.capacity.max_splits)
-      << "the step must mix split and unsplit sequences";
   const auto staging = cuda::make_staging_backend({});
+  BackendPlan plan(capacity_for(shape, options));
+  staging->plan(plan, shape, options);
+  ASSERT_LT(plan.plan().partial_slots(), plan.capacity().max_seqs * plan.capacity().max_splits)
+      << "the step must mix split and unsplit sequences";
   staging->run(on_gpu.args(), plan, {});
   const auto emulator = reference::make_emulator_backend();
   std::vector<std::byte> workspace(
-      emulator->workspace_bytes(plan, on_gpu.cache().geometry, on_gpu.args().params));
+      emulator->workspace_bytes(plan.plan(), on_gpu.cache().geometry, on_gpu.args().params));
   emulator->run(emulated.args(), plan, workspace);
   const std::span<const float> got = on_gpu.output(), want = emulated.output();
   EXPECT_LT(rel_l2(std::vector<float>(got.begin(), got.end()), want), 1e-5);
@@ -374,6 +375,11 @@ TEST(CudaGraph, ReplaysNewPlansWithoutRecapture) {
     make_plan(plan, host.batch.seq_lens, params.q_len, base.num_kv_heads, options);
     step.upload(host.batch, plan, geometry, stream);
     cuda_ok(cudaGraphLaunch(exec, stream), "launch");
+    // The emulator's plan of the same step and options: the same items (make_plan is
+    // deterministic).
+    BackendPlan emulated_plan(capacity.plan);
+    emulator->plan(emulated_plan, host.step_shape(), options);
+    ASSERT_EQ(emulated_plan.plan().num_items, plan.num_items);
     cuda_ok(cudaStreamSynchronize(stream), "replay");
 
     std::vector<float> got_o(o_floats), got_lse(rows * hq);
@@ -381,8 +387,9 @@ TEST(CudaGraph, ReplaysNewPlansWithoutRecapture) {
     cuda_ok(cudaMemcpy(got_lse.data(), lse.data, lse.bytes, cudaMemcpyDeviceToHost), "lse back");
 
     problem.poison_outputs();
-    std::vector<std::byte> ws(emulator->workspace_bytes(plan, host.cache.geometry, host.params));
-    emulator->run(host, plan, ws);
+    std::vector<std::byte> ws(
+        emulator->workspace_bytes(emulated_plan.plan(), host.cache.geometry, host.params));
+    emulator->run(host, emulated_plan, ws);
     const std::size_t used_o = problem.output().size(), used_lse = problem.lse().size();
     const std::vector<float> used(got_o.begin(), got_o.begin() + used_o);
     EXPECT_LE(rel_l2(used, problem.output()), verify::emulator_tolerance(params));

@@ -55,9 +55,10 @@ class EmulatedKernels final : public Backend {
     return params.q_len == 0 ? "ragged steps are not implemented on CUDA yet" : "";
   }
   int workers() const override { return 8; }
-  void run(const DecodeArgs& args, const Plan& plan,
+  void run(const DecodeArgs& args, const BackendPlan& planned,
            std::span<std::byte> workspace) const override {
     validate(args);
+    const Plan& plan = planned.plan();
     const CacheGeometry& geo = args.cache.geometry;
     std::size_t pages = 0;
     for (int len : args.batch.seq_lens) pages += std::size_t(used_pages(len, geo.page_size));

@@ -205,14 +205,18 @@ void expect_run_rejected(const std::function<void(PlannedStep&)>& change,
                      args.params.q_len,
                      args.cache.geometry.num_kv_heads};
     change(step);
-    Plan plan(PlanCapacity{4, step.kv_heads, 4});
+    BackendPlan plan(PlanCapacity{4, step.kv_heads, 4});
     PlanOptions options;
     options.workers = backend->workers();
     options.fixed_splits = 2;  // split partials and merges in play
     options.tile_tokens = 16;
-    make_plan(plan, step.seq_lens, step.q_len, step.kv_heads, options);
+    backend->plan(
+        plan,
+        StepShape{.seq_lens = step.seq_lens, .q_len = step.q_len, .num_kv_heads = step.kv_heads},
+        options);
     std::vector<std::byte> workspace(
-        backend->workspace_bytes(plan, args.cache.geometry, args.params) - workspace_shortfall);
+        backend->workspace_bytes(plan.plan(), args.cache.geometry, args.params) -
+        workspace_shortfall);
     testing::expect_error([&] { backend->run(args, plan, workspace); }, argument, detail);
   }
 }
@@ -230,29 +234,58 @@ TEST(DecodeValidation, PlanMadeForAnotherStep) {
                       "differs");
 }
 
+// A plan edited after make_plan (a BackendPlan is only ever filled by Backend::plan, so these
+// reach check_plan, which every run() calls first, through a hand-made Plan).
 TEST(DecodeValidation, PlanItemsOutsideTheStep) {
   verify::Problem problem(small_spec());
   const DecodeArgs args = problem.args();
-  const auto backend = make_backend("cpu");
   Plan plan(PlanCapacity{2, args.cache.geometry.num_kv_heads, 4});
   PlanOptions options;
   make_plan(plan, args.batch.seq_lens, args.params.q_len, args.cache.geometry.num_kv_heads,
             options);
-  std::vector<std::byte> workspace(
-      backend->workspace_bytes(plan, args.cache.geometry, args.params));
+  EXPECT_NO_THROW(check_plan(plan, args));
   Plan bad = plan;
   bad.items[0].kv_head = 7;
-  testing::expect_error([&] { backend->run(args, bad, workspace); }, "plan.items[0]", "KV head 7");
+  testing::expect_error([&] { check_plan(bad, args); }, "plan.items[0]", "KV head 7");
   bad = plan;
   bad.items[1].partial_slot = 1000;
-  testing::expect_error([&] { backend->run(args, bad, workspace); }, "plan.items[1]",
-                        "partial slot 1000");
+  testing::expect_error([&] { check_plan(bad, args); }, "plan.items[1]", "partial slot 1000");
   bad = plan;
   bad.num_splits[0] = 9;
-  testing::expect_error([&] { backend->run(args, bad, workspace); }, "plan.num_splits[0]");
+  testing::expect_error([&] { check_plan(bad, args); }, "plan.num_splits[0]");
   bad = plan;
   bad.num_items = int(plan.items.size()) + 1;
-  testing::expect_error([&] { backend->run(args, bad, workspace); }, "plan.num_items");
+  testing::expect_error([&] { check_plan(bad, args); }, "plan.num_items");
+}
+
+// run() takes only a plan that a plan() filled, and the cpu backend only one it prepared: its
+// work units are part of the plan.
+TEST(DecodeValidation, PlanNotMadeByTheBackend) {
+  verify::Problem problem(small_spec());
+  const DecodeArgs args = problem.args();
+  const auto cpu = make_backend("cpu");
+  const auto reference = make_backend("reference");
+  BackendPlan plan(PlanCapacity{2, args.cache.geometry.num_kv_heads, 4});
+  std::vector<std::byte> workspace(
+      cpu->workspace_bytes(plan.plan(), args.cache.geometry, args.params));
+  for (const auto* backend : {cpu.get(), reference.get()}) {
+    SCOPED_TRACE(backend->name());
+    testing::expect_error([&] { backend->run(args, plan, workspace); }, "plan:", "was not planned");
+  }
+  reference->plan(plan, args.step_shape(), PlanOptions{});
+  EXPECT_EQ(plan.planned_by(), "reference");
+  EXPECT_EQ(plan.prepared(), nullptr);
+  testing::expect_error([&] { cpu->run(args, plan, workspace); },
+                        "plan:", "planned by the 'reference' backend");
+  // A plan() that throws leaves the plan unplanned, though it held a step before.
+  cpu->plan(plan, args.step_shape(), PlanOptions{});
+  EXPECT_NE(plan.prepared(), nullptr);
+  EXPECT_NO_THROW(cpu->run(args, plan, workspace));
+  StepShape too_many = args.step_shape();
+  const std::vector<std::int32_t> lens = {5, 5, 5};
+  too_many.seq_lens = lens;
+  EXPECT_THROW(cpu->plan(plan, too_many, PlanOptions{}), Error);
+  testing::expect_error([&] { cpu->run(args, plan, workspace); }, "plan:", "was not planned");
 }
 
 TEST(DecodeValidation, WorkspaceTooSmall) {

@@ -83,10 +83,10 @@ Timing time_decode(const Backend& backend, const RotatingCaches& caches,
   const DecodeArgs& first = caches.args(0);
   const int num_seqs = first.batch.num_seqs();
   const int num_kv_heads = first.cache.geometry.num_kv_heads;
-  Plan plan(PlanCapacity{num_seqs, num_kv_heads, plan_options.max_splits});
-  make_plan(plan, first.batch.seq_lens, first.params.q_len, num_kv_heads, plan_options);
+  BackendPlan plan(PlanCapacity{num_seqs, num_kv_heads, plan_options.max_splits});
+  backend.plan(plan, first.step_shape(), plan_options);
   std::vector<std::byte> workspace(
-      backend.workspace_bytes(plan, first.cache.geometry, first.params));
+      backend.workspace_bytes(plan.plan(), first.cache.geometry, first.params));
 
   // Warm-up: one run per copy touches every page (and the backend's threads and workspace),
   // cut short for backends so slow that a pass over the copies would dominate the run.
@@ -142,9 +142,10 @@ double error_vs_exact(const Backend& backend, verify::ProblemSpec spec,
   const DecodeArgs args = problem.args();
   const int num_kv_heads = spec.num_kv_heads;
 
-  Plan plan(PlanCapacity{1, num_kv_heads, plan_options.max_splits});
-  make_plan(plan, args.batch.seq_lens, args.params.q_len, num_kv_heads, plan_options);
-  std::vector<std::byte> workspace(backend.workspace_bytes(plan, args.cache.geometry, args.params));
+  BackendPlan plan(PlanCapacity{1, num_kv_heads, plan_options.max_splits});
+  backend.plan(plan, args.step_shape(), plan_options);
+  std::vector<std::byte> workspace(
+      backend.workspace_bytes(plan.plan(), args.cache.geometry, args.params));
   backend.run(args, plan, workspace);
 
   const int head_dim = spec.head_dim;

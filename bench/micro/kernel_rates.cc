@@ -72,10 +72,10 @@ void Decode(benchmark::State& state, Format format, int group, int q_len, QMode 
   const auto backend = make_backend("cpu", OneThread());
   PlanOptions options;
   options.workers = 1;
-  Plan plan(PlanCapacity{1, kKvHeads, 16});
-  make_plan(plan, args.batch.seq_lens, q_len, kKvHeads, options);
+  BackendPlan plan(PlanCapacity{1, kKvHeads, 16});
+  backend->plan(plan, args.step_shape(), options);
   std::vector<std::byte> workspace(
-      backend->workspace_bytes(plan, args.cache.geometry, args.params));
+      backend->workspace_bytes(plan.plan(), args.cache.geometry, args.params));
   for (auto _ : state) backend->run(args, plan, workspace);
 
   const double token_heads = double(kContext) * kKvHeads * state.iterations();
@@ -115,10 +115,10 @@ void Prefill(benchmark::State& state, Format format, PMode p_mode) {
   PlanOptions options;
   options.workers = 1;
   const StepShape step = args.step_shape();
-  Plan plan(capacity_for(step, options));
-  make_plan(plan, step, options);
+  BackendPlan plan(capacity_for(step, options));
+  backend->plan(plan, step, options);
   std::vector<std::byte> workspace(
-      backend->workspace_bytes(plan, args.cache.geometry, args.params));
+      backend->workspace_bytes(plan.plan(), args.cache.geometry, args.params));
   for (auto _ : state) backend->run(args, plan, workspace);
   const double row_keys = double(kPrefillTokens) * (kPrefillTokens + 1) / 2 * kKvHeads *
                           spec.group * double(state.iterations());

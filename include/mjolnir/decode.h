@@ -138,18 +138,49 @@ void validate(const DecodeArgs& args);
 // items no longer own. O(items); Backend::run calls it on every step.
 void check_plan(const Plan& plan, const DecodeArgs& args);
 
+class Backend;
+
+// One step planned for one backend, FlashInfer's plan / run split: the step's work items (Plan)
+// and what the backend prepares from them once, for every run() of the step (one per layer of a
+// model). The CPU backend prepares its work units and their merges (docs/cpu-performance.md);
+// the reference and CUDA backends run the plan's items as they are. Made empty for a capacity,
+// refilled by Backend::plan() for every step, read by run(): only a backend's plan() writes it,
+// so the prepared part always matches the items.
+class BackendPlan {
+ public:
+  // What a backend prepares from the items; each backend's run() knows its own type.
+  class Prepared {
+   public:
+    virtual ~Prepared() = default;
+  };
+
+  explicit BackendPlan(PlanCapacity capacity = {}) : plan_(capacity) {}
+  const Plan& plan() const { return plan_; }
+  const PlanCapacity& capacity() const { return plan_.capacity; }
+  // Null until a backend that prepares anything planned this step.
+  const Prepared* prepared() const { return prepared_.get(); }
+  // Name of the backend whose plan() filled it last; empty before the first.
+  std::string_view planned_by() const { return planned_by_; }
+
+ private:
+  friend class Backend;
+  Plan plan_;
+  std::unique_ptr<Prepared> prepared_;
+  std::string planned_by_;
+};
+
 // One implementation of the numerics contract.
 //
 // Threads: one backend serves concurrent calls on distinct workspaces. Every member function may
 // be called from several threads at once; concurrent run() calls need a workspace and outputs
 // (o, lse) each and may share the plan, the cache (pool and scales), the batch and the queries,
 // which run() only reads. The "cpu" backend runs such calls one at a time: run() holds the
-// backend's lock for the whole step (it reuses its unit schedule and its workers' scratch between
-// calls), so threads sharing it take turns on its worker threads. "cuda" also holds a lock across
-// run(); "reference" keeps no state and runs them side by side. For CPU steps that run in
-// parallel, give each thread a backend of its own. make_plan() writes the plan: not while a run()
-// reads it. tests/test_concurrency.cc checks this, under ThreadSanitizer too (scripts/test.sh
-// --tsan); README.md "Threads" says the same for the whole API.
+// backend's lock for the whole step (it reuses its workers' scratch between calls), so threads
+// sharing it take turns on its worker threads. "cuda" also holds a lock across run();
+// "reference" keeps no state and runs them side by side. For CPU steps that run in parallel,
+// give each thread a backend of its own. plan() writes the plan: not while a run() reads it.
+// tests/test_concurrency.cc checks this, under ThreadSanitizer too (scripts/test.sh --tsan);
+// README.md "Threads" says the same for the whole API.
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -192,15 +223,26 @@ class Backend {
   // Workspace run() needs for a plan of this capacity (split partials and scratch).
   virtual std::size_t workspace_bytes(const Plan& plan, const CacheGeometry& geometry,
                                       const DecodeParams& params) const;
-  // Runs a validated step with a plan made for it. Writes o (and lse) for every row. Throws
-  // Error when the plan does not match the step (check_plan) or the workspace is smaller than
-  // workspace_bytes().
-  virtual void run(const DecodeArgs& args, const Plan& plan,
+  // Plans one step for this backend into `out` (within its capacity): make_plan(step, options),
+  // then what this backend prepares from the items. Once per step; every layer's run() reads
+  // it. Throws Error as make_plan does, leaving `out` unplanned (a run() on it is refused).
+  void plan(BackendPlan& out, const StepShape& step, const PlanOptions& options) const;
+  // Runs a validated step with a plan this backend's plan() made for it. Writes o (and lse) for
+  // every row. Throws Error when the plan does not match the step (check_plan), was prepared by
+  // another kind of backend, or the workspace is smaller than workspace_bytes().
+  virtual void run(const DecodeArgs& args, const BackendPlan& plan,
                    std::span<std::byte> workspace) const = 0;
 
  protected:
-  // What every run() checks first: check_plan(), and a workspace of workspace_bytes() at least.
-  void check_run(const DecodeArgs& args, const Plan& plan,
+  // What this backend prepares from a new plan's items for its run(), into `prepared` (which
+  // holds what it prepared for an earlier step, to reuse, or null). Default: nothing.
+  virtual void prepare(const Plan& plan, std::unique_ptr<BackendPlan::Prepared>& prepared) const {
+    (void)plan;
+    prepared.reset();
+  }
+  // What every run() checks first: a plan that a plan() filled, check_plan(), and a workspace
+  // of workspace_bytes() at least.
+  void check_run(const DecodeArgs& args, const BackendPlan& plan,
                  std::span<const std::byte> workspace) const;
 };
 
@@ -278,7 +320,7 @@ std::vector<std::string> compiled_backends();
 // Convenience for one-off calls: validates, plans with the backend's capacity, allocates the
 // workspace and runs. options.max_splits 0 plans as many chunks as fill the backend's workers
 // (effective_max_splits; a GPU at batch 1 as many as fit one wave of its resident CTAs). Serving
-// loops keep a Plan and workspace and call run() themselves.
+// loops keep a BackendPlan and a workspace, plan() once per step and run() each layer.
 void decode(const Backend& backend, const DecodeArgs& args, PlanOptions options = {});
 
 }  // namespace mjolnir

@@ -288,10 +288,13 @@ MJOLNIR_API mjolnir_status mjolnir_plan_set_option(mjolnir_plan* plan, int32_t o
                                                    int32_t value);
 MJOLNIR_API mjolnir_status mjolnir_plan_get_option(mjolnir_plan* plan, int32_t option,
                                                    int32_t* value);
-/* Refills the plan for one step: seq_lens [num_seqs] (KV tokens per sequence, the q_len new
- * ones included; 0 = a padding request), q_len query tokens per sequence (1..8). The backend
- * supplies the worker count (unless MJOLNIR_PLAN_WORKERS is set). num_seqs above the capacity
- * is MJOLNIR_ERROR_CAPACITY_EXCEEDED. */
+/* Refills the plan for one step on this backend: seq_lens [num_seqs] (KV tokens per sequence,
+ * the q_len new ones included; 0 = a padding request), q_len query tokens per sequence (1..8).
+ * The backend supplies the worker count (unless MJOLNIR_PLAN_WORKERS is set) and prepares what
+ * it runs the step with, once for every mjolnir_decode of the step (one per layer): the cpu
+ * backend its work units, so a cpu backend decodes only with a plan a cpu backend updated (the
+ * reference backend runs any plan). num_seqs above the capacity is
+ * MJOLNIR_ERROR_CAPACITY_EXCEEDED. */
 MJOLNIR_API mjolnir_status mjolnir_plan_update(mjolnir_plan* plan, const int32_t* seq_lens,
                                                int32_t num_seqs, int32_t q_len,
                                                const mjolnir_backend* backend);
@@ -370,9 +373,10 @@ MJOLNIR_API mjolnir_status mjolnir_workspace_size(mjolnir_backend* backend,
                                                   size_t* bytes);
 
 /* Runs one decode step: validates every argument, checks that the plan was updated for these
- * seq_lens and q_len, then writes o (and lse) for every query row. The workspace is caller-owned
- * (aligned to MJOLNIR_WORKSPACE_ALIGNMENT, at least mjolnir_workspace_size() bytes) and must not
- * be shared by concurrent calls. Errors are recorded on the backend handle. */
+ * seq_lens and q_len (by a cpu backend where this is one), then writes o (and lse) for every query
+ * row. The workspace is caller-owned (aligned to MJOLNIR_WORKSPACE_ALIGNMENT, at least
+ * mjolnir_workspace_size() bytes) and must not be shared by concurrent calls. Errors are recorded
+ * on the backend handle. */
 MJOLNIR_API mjolnir_status mjolnir_decode(mjolnir_backend* backend, const mjolnir_plan* plan,
                                           const mjolnir_cache* cache,
                                           const mjolnir_decode_params* params,

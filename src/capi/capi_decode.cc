@@ -99,8 +99,8 @@ void check_step_shape(const DecodeParams& params, const CacheGeometry& geometry)
 }
 
 void check_plan_heads(const mjolnir_plan& plan, const CacheGeometry& geometry) {
-  if (plan.plan.capacity.num_kv_heads != geometry.num_kv_heads) {
-    fail(MJOLNIR_ERROR_PLAN_MISMATCH, "plan: was created for ", plan.plan.capacity.num_kv_heads,
+  if (plan.plan.capacity().num_kv_heads != geometry.num_kv_heads) {
+    fail(MJOLNIR_ERROR_PLAN_MISMATCH, "plan: was created for ", plan.plan.capacity().num_kv_heads,
          " KV heads, the cache has ", geometry.num_kv_heads);
   }
 }
@@ -111,7 +111,7 @@ std::size_t workspace_bytes(const Backend& backend, const mjolnir_plan& plan,
                             const CacheGeometry& geometry, const DecodeParams& params) {
   check_step_shape(params, geometry);
   check_plan_heads(plan, geometry);
-  const __int128 slots = __int128(plan.plan.capacity.max_seqs) * plan.plan.capacity.max_splits;
+  const __int128 slots = __int128(plan.plan.capacity().max_seqs) * plan.plan.capacity().max_splits;
   const __int128 rows = __int128(params.q_len) * (params.num_q_heads / geometry.num_kv_heads);
   const __int128 bytes =
       slots * geometry.num_kv_heads * rows * (geometry.head_dim + 1) * __int128(sizeof(float));
@@ -119,14 +119,14 @@ std::size_t workspace_bytes(const Backend& backend, const mjolnir_plan& plan,
     fail(MJOLNIR_ERROR_INVALID_ARGUMENT, "params->num_q_heads: ", params.num_q_heads,
          " with the plan's capacity needs a workspace beyond the address space");
   }
-  return backend.workspace_bytes(plan.plan, geometry, params);
+  return backend.workspace_bytes(plan.plan.plan(), geometry, params);
 }
 
 // The plan must have been updated for exactly this step: its items index these sequences and
 // token ranges, so a stale plan would read outside them.
 void check_plan_matches(const mjolnir_plan& plan, const DecodeParams& params,
                         std::span<const std::int32_t> seq_lens) {
-  const Plan& p = plan.plan;
+  const Plan& p = plan.plan.plan();
   if (!plan.filled) {
     fail(MJOLNIR_ERROR_PLAN_MISMATCH,
          "plan: holds no step (call mjolnir_plan_update first; its last update failed or there "
@@ -270,9 +270,9 @@ MJOLNIR_API mjolnir_status mjolnir_plan_update(mjolnir_plan* plan, const int32_t
     p.filled = false;
     const mjolnir_backend& b = require_handle(backend, "backend");
     if (num_seqs < 0) fail(MJOLNIR_ERROR_INVALID_ARGUMENT, "num_seqs: ", num_seqs, " is negative");
-    if (num_seqs > p.plan.capacity.max_seqs) {
+    if (num_seqs > p.plan.capacity().max_seqs) {
       fail(MJOLNIR_ERROR_CAPACITY_EXCEEDED, "num_seqs: ", num_seqs,
-           " sequences exceed the plan's capacity of ", p.plan.capacity.max_seqs,
+           " sequences exceed the plan's capacity of ", p.plan.capacity().max_seqs,
            " (create a larger plan)");
     }
     if (num_seqs > 0) require_pointer(seq_lens, "seq_lens");
@@ -286,7 +286,10 @@ MJOLNIR_API mjolnir_status mjolnir_plan_update(mjolnir_plan* plan, const int32_t
     options.tile_tokens = p.options[MJOLNIR_PLAN_TILE_TOKENS];
     options.min_chunk_tokens = p.options[MJOLNIR_PLAN_MIN_CHUNK_TOKENS];
     options.fixed_splits = p.options[MJOLNIR_PLAN_FIXED_SPLITS];
-    make_plan(p.plan, lens, q_len, p.plan.capacity.num_kv_heads, options);
+    b.impl->plan(
+        p.plan,
+        StepShape{.seq_lens = lens, .q_len = q_len, .num_kv_heads = p.plan.capacity().num_kv_heads},
+        options);
     std::copy(lens.begin(), lens.end(), p.seq_lens.begin());  // sized at creation
     p.filled = true;
   });
@@ -299,9 +302,9 @@ MJOLNIR_API mjolnir_status mjolnir_plan_counts(mjolnir_plan* plan, int32_t* num_
     require_pointer(num_seqs, "num_seqs");
     require_pointer(num_items, "num_items");
     require_pointer(num_partials, "num_partials");
-    *num_seqs = p.filled ? p.plan.num_seqs : 0;
-    *num_items = p.filled ? p.plan.num_items : 0;
-    *num_partials = p.filled ? p.plan.num_partials : 0;
+    *num_seqs = p.filled ? p.plan.plan().num_seqs : 0;
+    *num_items = p.filled ? p.plan.plan().num_items : 0;
+    *num_partials = p.filled ? p.plan.plan().num_partials : 0;
   });
 }
 

@@ -201,7 +201,7 @@ struct mjolnir_plan {
     options[MJOLNIR_PLAN_FIXED_SPLITS] = defaults.fixed_splits;
   }
 
-  mjolnir::Plan plan;
+  mjolnir::BackendPlan plan;
   // The seq_lens of the last successful update ([plan.num_seqs] valid), so that decode can
   // tell a plan made for another step; sized once, at creation.
   std::vector<std::int32_t> seq_lens;

@@ -203,10 +203,22 @@ void check_plan(const Plan& plan, const DecodeArgs& args) {
                   " (make the plan for this step)");
 }
 
-void Backend::check_run(const DecodeArgs& args, const Plan& plan,
+void Backend::plan(BackendPlan& out, const StepShape& step, const PlanOptions& options) const {
+  // Unplanned until both parts are made: a make_plan that throws leaves nothing run() accepts.
+  out.planned_by_.clear();
+  out.plan_.num_items = 0;
+  out.plan_.num_query_tiles = 0;
+  make_plan(out.plan_, step, options);
+  prepare(out.plan_, out.prepared_);
+  out.planned_by_ = name();
+}
+
+void Backend::check_run(const DecodeArgs& args, const BackendPlan& plan,
                         std::span<const std::byte> workspace) const {
-  check_plan(plan, args);
-  const std::size_t needed = workspace_bytes(plan, args.cache.geometry, args.params);
+  MJOLNIR_REQUIRE(!plan.planned_by().empty(),
+                  "plan: was not planned (Backend::plan() made no plan for this step)");
+  check_plan(plan.plan(), args);
+  const std::size_t needed = workspace_bytes(plan.plan(), args.cache.geometry, args.params);
   MJOLNIR_REQUIRE(workspace.size() >= needed, "workspace: ", workspace.size(),
                   " bytes, workspace_bytes() is ", needed);
 }
@@ -229,9 +241,10 @@ void decode(const Backend& backend, const DecodeArgs& args, PlanOptions options)
   // fill the device, and fixed_splits beyond max_splits get their way.
   const int max_splits = effective_max_splits(options, step.num_seqs(), step.num_kv_heads);
   if (max_splits >= 0) options.max_splits = std::max(max_splits, options.fixed_splits);
-  Plan plan(capacity_for(step, options));
-  make_plan(plan, step, options);
-  std::vector<std::byte> workspace(backend.workspace_bytes(plan, args.cache.geometry, args.params));
+  BackendPlan plan(capacity_for(step, options));
+  backend.plan(plan, step, options);
+  std::vector<std::byte> workspace(
+      backend.workspace_bytes(plan.plan(), args.cache.geometry, args.params));
   backend.run(args, plan, workspace);
 }
 

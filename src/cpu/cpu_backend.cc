@@ -1,5 +1,6 @@
-// The CPU backend: the plan's items grouped into units (work_units.h) on a thread pool, then the
-// merges of token parts (here) and of split query tiles (core/chunk_merge.h, the emulator's).
+// The CPU backend: plan() groups the plan's items into units once per step (work_units.h); run()
+// runs them on a thread pool, then the merges of token parts (here) and of split query tiles
+// (core/chunk_merge.h, the emulator's).
 #include "cpu/cpu_backend.h"
 
 #include <algorithm>
@@ -112,6 +113,16 @@ class CpuBackend final : public Backend {
     return params.p_mode == PMode::bf16;
   }
 
+  // The plan's units: cut for today's workers.
+  void prepare(const Plan& plan, std::unique_ptr<BackendPlan::Prepared>& prepared) const override {
+    auto* cpu = dynamic_cast<CpuPlan*>(prepared.get());
+    if (cpu == nullptr) {
+      prepared = std::make_unique<CpuPlan>();
+      cpu = static_cast<CpuPlan*>(prepared.get());
+    }
+    prepare_cpu_plan(plan, workers(), *cpu);
+  }
+
   std::size_t workspace_bytes(const Plan& plan, const CacheGeometry& geometry,
                               const DecodeParams& params) const override {
     // The plan's split partials, then the token parts of chunks cut for the threads.
@@ -122,25 +133,44 @@ class CpuBackend final : public Backend {
                sizeof(float);
   }
 
-  void run(const DecodeArgs& args, const Plan& plan,
+  void run(const DecodeArgs& args, const BackendPlan& planned,
            std::span<std::byte> workspace) const override {
-    check_run(args, plan, workspace);
-    // The executor and scratch serve one call at a time; concurrent callers wait their turn.
-    std::lock_guard lock(run_mutex_);
-    // An executor's workers may change between calls (a host pool resized): check_run measured
-    // the workspace against today's count, and every worker gets scratch.
-    const int threads = workers();
-    if (scratch_.size() < std::size_t(threads)) scratch_.resize(threads);
+    check_run(args, planned, workspace);
+    const auto* prepared = dynamic_cast<const CpuPlan*>(planned.prepared());
+    MJOLNIR_REQUIRE(prepared != nullptr, "plan: planned by the '", planned.planned_by(),
+                    "' backend, which did not cut it into cpu work units (plan the step with the "
+                    "backend that runs it)");
+    const Plan& plan = planned.plan();
+    const UnitSchedule& schedule = prepared->units_for(args.params.p_mode);
     const int d = args.cache.geometry.head_dim;
     const int hk = args.cache.geometry.num_kv_heads;
     const int g = args.params.num_q_heads / hk;
     const PartialLayout layout = partial_layout(args.cache.geometry, args.params);
     const int slots = plan.partial_slots();
+    // check_run measured the workspace against today's workers; the units were cut for the
+    // plan's, which an executor resized since may exceed.
+    const std::size_t parts_bytes =
+        (layout.o_floats(schedule.part_slots) + 2 * layout.lse_floats(schedule.part_slots)) *
+        sizeof(float);
+    MJOLNIR_REQUIRE(
+        workspace.size() >=
+            Backend::workspace_bytes(plan, args.cache.geometry, args.params) + parts_bytes,
+        "workspace: ", workspace.size(),
+        " bytes do not hold the token parts of units "
+        "cut for ",
+        prepared->threads, " threads (size it after planning)");
     float* partial_o = reinterpret_cast<float*>(workspace.data());
     float* partial_lse = partial_o + layout.o_floats(slots);
     // Token parts: the same layout, slot = part slot, head = the item's KV head.
     float* part_o = partial_lse + layout.lse_floats(slots);
-    float* part_stats = part_o + layout.o_floats(max_part_slots(threads));  // {m, l} per row
+    float* part_stats = part_o + layout.o_floats(schedule.part_slots);  // {m, l} per row
+
+    // The executor and scratch serve one call at a time; concurrent callers wait their turn.
+    std::lock_guard lock(run_mutex_);
+    // An executor's workers may change between calls (a host pool resized): every worker gets
+    // scratch.
+    const int threads = workers();
+    if (scratch_.size() < std::size_t(threads)) scratch_.resize(threads);
 
     // Where item `i`'s row r goes: the output (of args.o.type), or its split partial slot
     // (float32).
@@ -154,10 +184,9 @@ class CpuBackend final : public Backend {
       }
     };
 
-    make_units(plan, threads, args.params.p_mode == PMode::fp32, schedule_);
     executor_->parallel_for(
-        std::int64_t(schedule_.units.size()), [&](std::int64_t index, int worker) {
-          const WorkUnit& unit = schedule_.units[index];
+        std::int64_t(schedule.units.size()), [&](std::int64_t index, int worker) {
+          const WorkUnit& unit = schedule.units[index];
           const int rows = plan.items[unit.first_item].q_count * g;
           WorkerScratch& s = scratch_[worker];
           s.items.assign(plan.items.begin() + unit.first_item,
@@ -189,15 +218,9 @@ class CpuBackend final : public Backend {
           run_work_unit(config_, args, plan, s.items.data(), unit.heads, s.kernel, s.outs.data());
         });
 
-    // Token parts of cut chunks merge into their items' destinations: one task per KV head.
-    std::vector<std::pair<int, int>>& tasks = tasks_;
-    tasks.clear();
-    for (int m = 0; m < int(schedule_.merges.size()); ++m) {
-      for (int h = 0; h < schedule_.merges[m].heads; ++h) tasks.emplace_back(m, h);
-    }
     // Merges are small: threads are woken for them only when there is enough to share.
     const std::int64_t merge_floats = std::int64_t(layout.rows) * (d + 1);
-    const auto run_merges = [&](const auto& merge) {
+    const auto run_merges = [&](const std::vector<std::pair<int, int>>& tasks, const auto& merge) {
       if (std::int64_t(tasks.size()) * merge_floats < kParallelMergeFloats) {
         for (std::size_t i = 0; i < tasks.size(); ++i) merge(std::int64_t(i), 0);
       } else {
@@ -213,9 +236,10 @@ class CpuBackend final : public Backend {
     for (int w = 0; w < threads && args.o.type != RowType::f32; ++w) {
       scratch_[w].merged_o.resize(d);
     }
-    run_merges([&](std::int64_t index, int worker) {
-      const auto [m, h] = tasks[index];
-      const PartMerge& merge = schedule_.merges[m];
+    // Token parts of cut chunks merge into their items' destinations: one task per KV head.
+    run_merges(schedule.merge_tasks, [&](std::int64_t index, int worker) {
+      const auto [m, h] = schedule.merge_tasks[index];
+      const PartMerge& merge = schedule.merges[m];
       const WorkItem& item = plan.items[merge.first_item + h];
       for (int r = 0; r < item.q_count * g; ++r) {
         void* o;
@@ -231,14 +255,8 @@ class CpuBackend final : public Backend {
     });
 
     // The plan's split query tiles: one task per (query tile, KV head).
-    tasks.clear();
-    for (int i = 0; i < plan.num_query_tiles; ++i) {
-      if (plan.num_splits[i] > 1) {
-        for (int h = 0; h < hk; ++h) tasks.emplace_back(i, h);
-      }
-    }
-    run_merges([&](std::int64_t index, int worker) {
-      const auto [i, h] = tasks[index];
+    run_merges(prepared->tile_merges, [&](std::int64_t index, int worker) {
+      const auto [i, h] = prepared->tile_merges[index];
       const QueryTile& qt = plan.query_tiles[i];
       const WorkItem rows_of{
           .seq = qt.seq, .kv_head = h, .q_begin = qt.q_begin, .q_count = qt.q_count};
@@ -274,8 +292,6 @@ class CpuBackend final : public Backend {
   std::shared_ptr<Executor> executor_;
   const KernelConfig config_;
   mutable std::vector<WorkerScratch> scratch_;
-  mutable UnitSchedule schedule_;
-  mutable std::vector<std::pair<int, int>> tasks_;
   mutable std::mutex run_mutex_;
 };
 

@@ -21,6 +21,7 @@ int max_part_slots(int threads) { return 2 * threads; }
 void make_units(const Plan& plan, int threads, bool may_cut_tokens, UnitSchedule& schedule) {
   schedule.units.clear();
   schedule.merges.clear();
+  schedule.merge_tasks.clear();
   schedule.part_slots = 0;
 
   // Chunks: runs of consecutive items with the same sequence, range and split.
@@ -57,6 +58,9 @@ void make_units(const Plan& plan, int threads, bool may_cut_tokens, UnitSchedule
       }
     }
     units.swap(cut);
+    for (int m = 0; m < int(schedule.merges.size()); ++m) {
+      for (int h = 0; h < schedule.merges[m].heads; ++h) schedule.merge_tasks.emplace_back(m, h);
+    }
     return;
   }
 
@@ -80,6 +84,18 @@ void make_units(const Plan& plan, int threads, bool may_cut_tokens, UnitSchedule
     }
   }
   units.swap(cut);
+}
+
+void prepare_cpu_plan(const Plan& plan, int threads, CpuPlan& out) {
+  out.threads = threads;
+  make_units(plan, threads, /*may_cut_tokens=*/true, out.token_parts);
+  make_units(plan, threads, /*may_cut_tokens=*/false, out.plan_tiles);
+  out.tile_merges.clear();
+  for (int i = 0; i < plan.num_query_tiles; ++i) {
+    if (plan.num_splits[i] > 1) {
+      for (int h = 0; h < plan.capacity.num_kv_heads; ++h) out.tile_merges.emplace_back(i, h);
+    }
+  }
 }
 
 }  // namespace mjolnir::cpu

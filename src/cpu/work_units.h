@@ -11,8 +11,10 @@
 #pragma once
 
 #include <cstddef>
+#include <utility>
 #include <vector>
 
+#include "mjolnir/decode.h"
 #include "mjolnir/plan.h"
 
 namespace mjolnir::cpu {
@@ -37,7 +39,25 @@ struct PartMerge {
 struct UnitSchedule {
   std::vector<WorkUnit> units;
   std::vector<PartMerge> merges;
+  // The merges' tasks, one per (merge, KV head of it).
+  std::vector<std::pair<int, int>> merge_tasks;
   int part_slots = 0;
+};
+
+// The CPU backend's form of a step's plan (BackendPlan::Prepared), made once per step by
+// Backend::plan() and read by every run() of the step: the units for either kind of P mode and
+// the merges of the plan's split query tiles. A run() picks its units by its P mode, so a step
+// planned once serves layers whose modes differ (the Python ops' "auto" modes are per layer).
+struct CpuPlan final : BackendPlan::Prepared {
+  int threads = 0;           // the workers the units were cut for
+  UnitSchedule token_parts;  // P in fp32: chunks may be cut into token parts
+  UnitSchedule plan_tiles;   // P in bf16 or fp8: the plan's own tiles and split points
+  // (query tile, KV head) of every split query tile, whose chunks merge after the units.
+  std::vector<std::pair<int, int>> tile_merges;
+
+  const UnitSchedule& units_for(PMode p_mode) const {
+    return p_mode == PMode::fp32 ? token_parts : plan_tiles;
+  }
 };
 
 // Most token parts one chunk is cut into.
@@ -45,6 +65,10 @@ inline constexpr int kMaxParts = 64;
 
 // Units for `plan` on `threads` threads; token parts only when `may_cut_tokens`.
 void make_units(const Plan& plan, int threads, bool may_cut_tokens, UnitSchedule& schedule);
+
+// Everything the CPU backend runs `plan` with on `threads` threads, into `out` (its buffers
+// reused).
+void prepare_cpu_plan(const Plan& plan, int threads, CpuPlan& out);
 
 // Most part slots make_units uses with `threads` threads (it cuts tokens only when a step has
 // fewer chunks than threads), so workspaces can be sized up front.

@@ -91,9 +91,10 @@ class CudaBackend final : public Backend {
   int workers() const override { return workers_; }
   int wave_workers() const override { return wave_workers_; }
 
-  void run(const DecodeArgs& args, const Plan& plan,
+  void run(const DecodeArgs& args, const BackendPlan& planned,
            std::span<std::byte> workspace) const override {
     MJOLNIR_REQUIRE(unavailable_.empty(), "backend cuda: ", unavailable_);
+    const Plan& plan = planned.plan();
     validate(args);
     require_float32_rows(args);
     const CacheGeometry& geo = args.cache.geometry;
@@ -104,7 +105,7 @@ class CudaBackend final : public Backend {
     require_device_pointer(args.o.data, "o.data");
     require_device_pointer(args.lse.data(), "lse");
     require_device_pointer(workspace.data(), "workspace");
-    check_run(args, plan, workspace);
+    check_run(args, planned, workspace);
     const std::string why = cuda::unsupported_reason(geo, args.params, plan.tile_tokens);
     MJOLNIR_REQUIRE(why.empty(), "backend cuda: ", why);
 
@@ -219,8 +220,10 @@ class StagingBackend final : public Backend {
     return 0;  // the device workspace is this adapter's own
   }
 
-  void run(const DecodeArgs& host, const Plan& plan, std::span<std::byte>) const override {
+  void run(const DecodeArgs& host, const BackendPlan& planned,
+           std::span<std::byte>) const override {
     validate(host);
+    const Plan& plan = planned.plan();
     require_float32_rows(host);
     const CacheGeometry& geo = host.cache.geometry;
     const DecodeParams& params = host.params;
@@ -251,7 +254,7 @@ class StagingBackend final : public Backend {
     dev.lse = host.lse.empty()
                   ? std::span<float>()
                   : std::span<float>(reinterpret_cast<float*>(lse.data()), host.lse.size());
-    device_->run(dev, plan, {workspace.data(), ws_bytes});
+    device_->run(dev, planned, {workspace.data(), ws_bytes});
 
     MJOLNIR_REQUIRE(o.guards_intact(), "backend cuda: wrote outside the o tensor");
     MJOLNIR_REQUIRE(lse.guards_intact(), "backend cuda: wrote outside the lse tensor");

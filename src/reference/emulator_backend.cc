@@ -19,9 +19,10 @@ class EmulatorBackend final : public Backend {
   }
   int workers() const override { return 1; }
 
-  void run(const DecodeArgs& args, const Plan& plan,
+  void run(const DecodeArgs& args, const BackendPlan& planned,
            std::span<std::byte> workspace) const override {
-    check_run(args, plan, workspace);
+    check_run(args, planned, workspace);
+    const Plan& plan = planned.plan();
     const int d = args.cache.geometry.head_dim;
     const int hk = args.cache.geometry.num_kv_heads;
     const int g = args.params.num_q_heads / hk;

@@ -187,17 +187,18 @@ CaseResult run_case(const Case& c, const Backend& backend) {
     options.max_splits = std::max(1, c.splits);
     options.tile_tokens = c.tile_tokens;
     const StepShape step = args.step_shape();
-    Plan plan(PlanCapacity{
+    BackendPlan plan(PlanCapacity{
         .max_seqs = args.batch.num_seqs(),
         .num_kv_heads = c.spec.num_kv_heads,
         .max_splits = options.max_splits,
         .max_query_tiles = step.query_start.empty() ? 0 : query_tiles_needed(step.query_start)});
-    make_plan(plan, step, options);
+    backend.plan(plan, step, options);
 
     // The backend, with guard bytes around its workspace.
     constexpr std::size_t kWorkspaceGuard = 256;
     constexpr std::byte kGuardByte{0x5a};
-    const std::size_t ws_bytes = backend.workspace_bytes(plan, args.cache.geometry, args.params);
+    const std::size_t ws_bytes =
+        backend.workspace_bytes(plan.plan(), args.cache.geometry, args.params);
     std::vector<std::byte> workspace(ws_bytes + 2 * kWorkspaceGuard, kGuardByte);
     problem.poison_outputs();
     backend.run(args, plan, {workspace.data() + kWorkspaceGuard, ws_bytes});
@@ -249,7 +250,9 @@ CaseResult run_case(const Case& c, const Backend& backend) {
     if (!is_emulator) {
       const auto emulator = reference::make_emulator_backend();
       problem.poison_outputs();
-      std::vector<std::byte> ws(emulator->workspace_bytes(plan, args.cache.geometry, args.params));
+      // The same items: the emulator runs a plan any backend made (it prepares nothing).
+      std::vector<std::byte> ws(
+          emulator->workspace_bytes(plan.plan(), args.cache.geometry, args.params));
       emulator->run(args, plan, ws);
       std::vector<double> want(problem.output().begin(), problem.output().end());
       result.error_vs_emulator = rel_l2(o, want);

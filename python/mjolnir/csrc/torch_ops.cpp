@@ -173,7 +173,7 @@ void wait_for_torch(const at::Device& device) {
 #endif
 
 // Runs a validated step with a plan made for it, on the host or the device.
-void run_planned(const Backend& backend, const DecodeArgs& args, const Plan& plan,
+void run_planned(const Backend& backend, const DecodeArgs& args, const BackendPlan& plan,
                  std::span<std::byte> host_workspace, const at::Device& device) {
   if (device.is_cpu()) {
     with_op_errors([&] { backend.run(args, plan, host_workspace); });
@@ -181,7 +181,7 @@ void run_planned(const Backend& backend, const DecodeArgs& args, const Plan& pla
   }
 #if MJOLNIR_PY_CUDA
   const std::size_t bytes = with_op_errors(
-      [&] { return backend.workspace_bytes(plan, args.cache.geometry, args.params); });
+      [&] { return backend.workspace_bytes(plan.plan(), args.cache.geometry, args.params); });
   const at::Tensor workspace = at::empty({std::int64_t(std::max<std::size_t>(bytes, 1))},
                                          at::TensorOptions().dtype(at::kByte).device(device));
   wait_for_torch(device);
@@ -252,15 +252,16 @@ void decode_step(at::Tensor& output, const at::Tensor& q, const at::Tensor& kv_c
   options.wave_workers = backend.wave_workers();
   options.max_splits = int(max_splits);
   const StepShape shape = args.step_shape();
-  Plan plan = with_op_errors([&] {
+  BackendPlan plan;
+  with_op_errors([&] {
     const int cap = effective_max_splits(options, shape.num_seqs(), shape.num_kv_heads);
     if (cap >= 0) options.max_splits = cap;
-    Plan p(capacity_for(shape, options));
-    make_plan(p, shape, options);
-    return p;
+    plan = BackendPlan(capacity_for(shape, options));
+    backend.plan(plan, shape, options);
   });
   CallWorkspace workspace(
-      q.device().is_cpu() ? backend.workspace_bytes(plan, args.cache.geometry, args.params) : 0);
+      q.device().is_cpu() ? backend.workspace_bytes(plan.plan(), args.cache.geometry, args.params)
+                          : 0);
   run_planned(backend, args, plan, workspace.span(), q.device());
   finish_rows_out(output, num_tokens, o_rows);
   scratch.release();
@@ -397,18 +398,17 @@ class Step final : public torch::CustomClassHolder {
     options.workers = backend_->workers();
     options.wave_workers = backend_->wave_workers();
     options.max_splits = int(max_splits);
-    plan_ = with_op_errors([&] {
+    with_op_errors([&] {
       const int cap = effective_max_splits(options, shape.num_seqs(), shape.num_kv_heads);
       if (cap >= 0) options.max_splits = cap;
-      Plan p(capacity_for(shape, options));
-      make_plan(p, shape, options);
-      return p;
+      plan_ = BackendPlan(capacity_for(shape, options));
+      backend_->plan(plan_, shape, options);
     });
     rows_ = shape.query_start.empty() ? std::int64_t(shape.num_seqs()) * params_.q_len
                                       : std::int64_t(shape.query_start.back());
     const int g = int(num_q_heads / num_kv_heads);
-    for (int i = 0; i < plan_.num_query_tiles; ++i) {
-      max_tile_rows_ = std::max(max_tile_rows_, plan_.query_tiles[i].q_count * g);
+    for (int i = 0; i < plan_.plan().num_query_tiles; ++i) {
+      max_tile_rows_ = std::max(max_tile_rows_, plan_.plan().query_tiles[i].q_count * g);
     }
   }
   ~Step() override {
@@ -462,8 +462,9 @@ class Step final : public torch::CustomClassHolder {
     });
     std::span<std::byte> workspace;
     if (device_.is_cpu()) {
-      const std::size_t bytes = with_op_errors(
-          [&] { return backend_->workspace_bytes(plan_, args.cache.geometry, args.params); });
+      const std::size_t bytes = with_op_errors([&] {
+        return backend_->workspace_bytes(plan_.plan(), args.cache.geometry, args.params);
+      });
       if (bytes > workspace_capacity_ || !workspace_) {
         if (workspace_) HostWorkspaces::give_back(std::move(workspace_), workspace_capacity_);
         workspace_ = HostWorkspaces::take(bytes, workspace_capacity_);
@@ -483,8 +484,8 @@ class Step final : public torch::CustomClassHolder {
     run(output, q, kv_cache, k_scale, v_scale, kv_format, layout, softmax_scale);
   }
 
-  std::int64_t num_items() const { return plan_.num_items; }
-  std::int64_t num_query_tiles() const { return plan_.num_query_tiles; }
+  std::int64_t num_items() const { return plan_.plan().num_items; }
+  std::int64_t num_query_tiles() const { return plan_.plan().num_query_tiles; }
   // The Q and P modes attend runs a layer of this format and head size in (the step's own, or
   // the backend's choice where they are "auto"), as "q_mode,p_mode": for logs.
   std::string modes_for(const std::string& kv_format, std::int64_t head_dim,
@@ -511,7 +512,7 @@ class Step final : public torch::CustomClassHolder {
   int max_tile_rows_ = 0;                 // the most query rows of one query tile
   at::Device device_;
   const Backend* backend_;
-  Plan plan_;
+  BackendPlan plan_;  // the plan and what the backend prepared from it, for every layer
   std::int64_t rows_ = 0;
   std::unique_ptr<std::byte[]> workspace_;
   std::size_t workspace_capacity_ = 0;
