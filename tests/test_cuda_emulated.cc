@@ -424,6 +424,46 @@ TEST(CudaEmulated, NonFiniteInputsPoisonExactlyTheRowsThatMeetThem) {
   EXPECT_GT(bodies[1], 0);
 }
 
+// The runner itself: every fiber runs with its own threadIdx, a barrier holds each until all
+// have arrived (values written before it are seen after it), shuffles trade within the warp,
+// and a barrier some threads never reach is an error instead of a hang.
+TEST(CudaEmulated, RunnerBarriersAndShuffles) {
+  constexpr int kThreads = 128;
+  std::vector<int> before(kThreads, -1), after(kThreads, -1);
+  std::vector<float> shuffled(kThreads, -1.0f);
+  runner().run(kThreads, 7, [&] {
+    const unsigned t = threadIdx.x;
+    EXPECT_EQ(blockIdx.x, 7u);
+    EXPECT_EQ(blockDim.x, unsigned(kThreads));
+    before[t] = int(t);
+    __syncthreads();
+    // Every thread's write before the barrier, read by another thread after it.
+    after[t] = before[(t + 37) % kThreads];
+    __syncwarp();
+    shuffled[t] = __shfl_xor_sync(0xffffffffu, float(t), 5);
+  });
+  for (int t = 0; t < kThreads; ++t) {
+    EXPECT_EQ(after[t], (t + 37) % kThreads) << "thread " << t;
+    EXPECT_EQ(shuffled[t], float(t ^ 5)) << "thread " << t;
+  }
+  try {
+    runner().run(64, 3, [] {
+      if (threadIdx.x % 2 == 0) __syncthreads();
+    });
+    ADD_FAILURE() << "a barrier half the threads skip did not fail the run";
+  } catch (const std::logic_error& e) {
+    EXPECT_NE(std::string(e.what()).find("32 threads wait at a barrier"), std::string::npos)
+        << e.what();
+  }
+  // The runner is usable after that.
+  int ran = 0;
+  runner().run(32, 0, [&] {
+    __syncwarp();
+    ++ran;
+  });
+  EXPECT_EQ(ran, 32);
+}
+
 // A device with less shared memory: the query rows no longer fit one pass.
 TEST(CudaEmulated, SeveralRowPasses) {
   std::uint64_t seed = testing::test_seed() + 7;

@@ -2,28 +2,41 @@
 // (tests/test_cuda_emulated.cc). Included by the kernel headers instead of <cuda_runtime.h> when
 // MJOLNIR_CUDA_EMULATION is defined; never part of the library.
 //
-// One CPU thread per CUDA thread of a CTA (a persistent pool), CTAs one after another:
-// __syncthreads is a barrier of the CTA's threads, __syncwarp a barrier of the warp's 32, and
-// __shfl_sync and __shfl_xor_sync trade values through a per-warp array between two warp
-// barriers. The arithmetic intrinsics are the plain IEEE operations (the test builds without FMA
-// contraction), cp.async falls back to plain copies (kernels guard the PTX with __CUDA_ARCH__).
-// What this cannot show: real concurrency between warps beyond the barriers, cp.async itself, the
-// device's libm, and resource limits.
+// One fiber per CUDA thread of a CTA, all on the calling thread, CTAs one after another: a fiber
+// runs until it waits at a barrier, then the next runnable one runs. __syncthreads is a barrier
+// of the CTA's fibers, __syncwarp a barrier of the warp's 32, and __shfl_sync and
+// __shfl_xor_sync trade values through a per-warp array between two warp barriers. The
+// arithmetic intrinsics are the plain IEEE operations (the test builds without FMA contraction),
+// cp.async falls back to plain copies (kernels guard the PTX with __CUDA_ARCH__). What this
+// cannot show: real concurrency between warps beyond the barriers, cp.async itself, the device's
+// libm, and resource limits. Fibers, not a thread per CUDA thread: with threads, 95% of the
+// tests' time went to waking 128-256 threads at every barrier on two cores (perf, 2026-12-06).
 #pragma once
+
+#include <sys/mman.h>
+#include <ucontext.h>
 
 #include <algorithm>
 #include <array>
 #include <atomic>
-#include <barrier>
 #include <cmath>
-#include <condition_variable>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <deque>
 #include <functional>
 #include <memory>
-#include <mutex>
-#include <thread>
+#include <new>
+#include <stdexcept>
+#include <string>
 #include <vector>
+
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/common_interface_defs.h>
+#define MJOLNIR_EMULATION_ASAN 1
+#else
+#define MJOLNIR_EMULATION_ASAN 0
+#endif
 
 // The kernels carry nvcc pragmas (#pragma unroll) that GCC does not know.
 #pragma GCC diagnostic ignored "-Wunknown-pragmas"
@@ -42,71 +55,172 @@ struct Dim3 {
   unsigned x = 0, y = 1, z = 1;
 };
 
+class CtaRunner;
+
+// A barrier of `count` fibers of the running CTA: the last to arrive makes the others runnable
+// and goes on; the others wait, switching to the next runnable fiber.
+class FiberBarrier {
+ public:
+  explicit FiberBarrier(int count) : count_(count) {}
+  void arrive_and_wait();
+
+ private:
+  int count_;
+  int arrived_ = 0;
+  std::vector<int> waiting_;
+};
+
 // The barriers of one CTA.
 struct CtaState {
   explicit CtaState(int threads)
       : block(threads), shuffle(std::size_t(threads)), fragments(std::size_t(threads)) {
-    for (int w = 0; w < threads / 32; ++w) warps.push_back(std::make_unique<std::barrier<>>(32));
+    for (int w = 0; w < threads / 32; ++w) warps.push_back(std::make_unique<FiberBarrier>(32));
   }
-  std::barrier<> block;
-  std::vector<std::unique_ptr<std::barrier<>>> warps;
+  FiberBarrier block;
+  std::vector<std::unique_ptr<FiberBarrier>> warps;
   std::vector<float> shuffle;
   std::vector<std::array<std::uint32_t, 8>> fragments;  // what warp_gather exchanges
 };
 
+// The CTA and thread the calling thread is running now (set before every switch to a fiber).
 inline thread_local CtaState* cta = nullptr;
 inline thread_local Dim3 thread_idx, block_idx, block_dim;
+inline thread_local CtaRunner* running = nullptr;
 
-// A pool of CPU threads that run one CTA at a time: run(threads, block, body) executes body()
-// on `threads` of them with threadIdx.x = 0..threads-1 and blockIdx.x = block, and returns when
-// all have finished.
+// Runs one CTA at a time on the calling thread: run(threads, block, body) executes body() as
+// `threads` fibers with threadIdx.x = 0..threads-1 and blockIdx.x = block, and returns when all
+// have finished. Fibers start in index order and take turns at the barriers, so a run is
+// deterministic. A barrier some fibers never reach (a kernel bug) is an error, not a hang.
 class CtaRunner {
  public:
-  explicit CtaRunner(int max_threads) : start_(max_threads + 1), done_(max_threads + 1) {
-    for (int t = 0; t < max_threads; ++t) workers_.emplace_back([this, t] { work(t); });
+  explicit CtaRunner(int max_threads) : fibers_(std::size_t(max_threads)) {
+    for (Fiber& fiber : fibers_) {
+      // A guard page below each stack: an overflow faults instead of writing the next one.
+      void* region = mmap(nullptr, kStackBytes + kGuardBytes, PROT_READ | PROT_WRITE,
+                          MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_STACK, -1, 0);
+      if (region == MAP_FAILED) throw std::bad_alloc();
+      mprotect(region, kGuardBytes, PROT_NONE);
+      fiber.region = region;
+      fiber.stack = static_cast<std::byte*>(region) + kGuardBytes;
+    }
   }
   ~CtaRunner() {
-    stop_ = true;
-    start_.arrive_and_wait();
-    for (std::thread& worker : workers_) worker.join();
+    for (Fiber& fiber : fibers_) munmap(fiber.region, kStackBytes + kGuardBytes);
   }
   CtaRunner(const CtaRunner&) = delete;
   CtaRunner& operator=(const CtaRunner&) = delete;
 
   void run(int threads, unsigned block, const std::function<void()>& body) {
+    if (threads < 1 || threads > int(fibers_.size())) {
+      throw std::invalid_argument("emulated CTA: " + std::to_string(threads) +
+                                  " threads, the runner has " + std::to_string(fibers_.size()));
+    }
     CtaState state(threads);
-    state_ = &state;
-    threads_ = threads;
-    block_ = block;
     body_ = &body;
-    start_.arrive_and_wait();
-    done_.arrive_and_wait();
-  }
-
- private:
-  void work(int t) {
-    for (;;) {
-      start_.arrive_and_wait();
-      if (stop_) return;
-      if (t < threads_) {
-        cta = state_;
-        thread_idx = {unsigned(t)};
-        block_idx = {block_};
-        block_dim = {unsigned(threads_)};
-        (*body_)();
-      }
-      done_.arrive_and_wait();
+    finished_ = 0;
+    ready_.clear();
+    for (int t = 0; t < threads; ++t) {
+      Fiber& fiber = fibers_[std::size_t(t)];
+      getcontext(&fiber.context);
+      fiber.context.uc_stack.ss_sp = fiber.stack;
+      fiber.context.uc_stack.ss_size = kStackBytes;
+      fiber.context.uc_link = &scheduler_;
+      makecontext(&fiber.context, &CtaRunner::entry, 0);
+      ready_.push_back(t);
+    }
+    CtaRunner* const outer = running;
+    running = this;
+    while (!ready_.empty()) {
+      current_ = ready_.front();
+      ready_.pop_front();
+      cta = &state;
+      thread_idx = {unsigned(current_)};
+      block_idx = {block};
+      block_dim = {unsigned(threads)};
+      switch_to_fiber(fibers_[std::size_t(current_)]);
+    }
+    running = outer;
+    cta = nullptr;
+    if (finished_ != threads) {
+      throw std::logic_error("emulated CTA " + std::to_string(block) + ": " +
+                             std::to_string(threads - finished_) +
+                             " threads wait at a barrier the others never reach");
     }
   }
 
-  std::barrier<> start_, done_;
-  std::vector<std::thread> workers_;
-  CtaState* state_ = nullptr;
-  int threads_ = 0;
-  unsigned block_ = 0;
+  // The running fiber waits: the scheduler runs the next runnable one.
+  void wait() {
+    Fiber& fiber = fibers_[std::size_t(current_)];
+#if MJOLNIR_EMULATION_ASAN
+    void* fake_stack = nullptr;
+    __sanitizer_start_switch_fiber(&fake_stack, scheduler_bottom_, scheduler_size_);
+    swapcontext(&fiber.context, &scheduler_);
+    __sanitizer_finish_switch_fiber(fake_stack, &scheduler_bottom_, &scheduler_size_);
+#else
+    swapcontext(&fiber.context, &scheduler_);
+#endif
+  }
+  void make_runnable(int fiber) { ready_.push_back(fiber); }
+  int current() const { return current_; }
+
+ private:
+  // Ample for the kernels' frames, ASan's included; and small enough that AddressSanitizer,
+  // which clears a stack's shadow at every swapcontext, does so with a memset (a 2 MiB stack's
+  // shadow took an madvise a switch: 4.5 minutes of system time for these tests).
+  static constexpr std::size_t kStackBytes = std::size_t(256) << 10;
+  static constexpr std::size_t kGuardBytes = 4096;
+
+  struct Fiber {
+    void* region = nullptr;
+    std::byte* stack = nullptr;
+    ucontext_t context{};
+  };
+
+  static void entry() {
+    CtaRunner& self = *running;
+#if MJOLNIR_EMULATION_ASAN
+    __sanitizer_finish_switch_fiber(nullptr, &self.scheduler_bottom_, &self.scheduler_size_);
+#endif
+    (*self.body_)();
+    ++self.finished_;
+#if MJOLNIR_EMULATION_ASAN
+    // The fiber ends: uc_link returns to the scheduler, and its fake stack goes with it.
+    __sanitizer_start_switch_fiber(nullptr, self.scheduler_bottom_, self.scheduler_size_);
+#endif
+  }
+
+  void switch_to_fiber(Fiber& fiber) {
+#if MJOLNIR_EMULATION_ASAN
+    void* fake_stack = nullptr;
+    __sanitizer_start_switch_fiber(&fake_stack, fiber.stack, kStackBytes);
+    swapcontext(&scheduler_, &fiber.context);
+    __sanitizer_finish_switch_fiber(fake_stack, nullptr, nullptr);
+#else
+    swapcontext(&scheduler_, &fiber.context);
+#endif
+  }
+
+  std::vector<Fiber> fibers_;
+  ucontext_t scheduler_{};
+  const void* scheduler_bottom_ = nullptr;
+  std::size_t scheduler_size_ = 0;
+  std::deque<int> ready_;
   const std::function<void()>* body_ = nullptr;
-  bool stop_ = false;
+  int current_ = 0;
+  int finished_ = 0;
 };
+
+inline void FiberBarrier::arrive_and_wait() {
+  CtaRunner& runner = *running;
+  if (++arrived_ == count_) {
+    arrived_ = 0;
+    for (int fiber : waiting_) runner.make_runnable(fiber);
+    waiting_.clear();
+    return;
+  }
+  waiting_.push_back(runner.current());
+  runner.wait();
+}
 
 }  // namespace mjolnir::cuda::emulation
 
