@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The CPU performance sweep of docs/cpu-performance.md, start to finish: builds (Release, build/),
 # runs `mjolnir bench --sweep` (raw JSON into bench/results/, named with the date and the
-# machine), the cache-resident kernel rates (bench/micro/kernel_rates, JSON beside it), and
-# renders the doc's tables and plot from those files. About 20 minutes on 2 cores; run it on an
+# machine), the cache-resident kernel rates (bench/micro/kernel_rates, JSON beside it) and its
+# variant pairs (kernel-pairs-*.json), and renders the doc's tables and plot from those files. About 20 minutes on 2 cores; run it on an
 # otherwise idle machine, since the bench divides by a bandwidth it measures at the start.
 # The sweep runs in the CPU's numerics mode, Q in bf16 and P in fp32 (where the CPU has AVX512_BF16,
 # Q . K then runs on bf16 dot products); a --q-mode flag given here replaces it.
@@ -28,6 +28,12 @@ rates="${rates/cpu-sweep-/kernel-rates-}.json"
 build/bench/micro/kernel_rates --benchmark_filter='Decode|FmaPeak' --benchmark_min_time=0.2 \
   --benchmark_repetitions=5 --benchmark_enable_random_interleaving=true \
   --benchmark_report_aggregates_only=true --benchmark_out="$rates" --benchmark_out_format=json
+# The kernel's variant choices on this CPU, each pair timed call by call in one process
+# (kernel_rates' Pair benchmarks; docs/cpu-experiments.md, "Variant pairs"), kept beside them.
+pairs="${rates/kernel-rates-/kernel-pairs-}"
+build/bench/micro/kernel_rates --benchmark_filter='Pair/' --benchmark_min_time=0.5 \
+  --benchmark_repetitions=3 --benchmark_report_aggregates_only=true \
+  --benchmark_out="$pairs" --benchmark_out_format=json
 python3 scripts/render_bench.py "$results" --kernel-rates "$rates" --doc docs/cpu-performance.md \
   --plot docs/img/cpu-sweep.svg
-echo "sweep: $results, $rates -> docs/cpu-performance.md, docs/img/cpu-sweep.svg"
+echo "sweep: $results, $rates, $pairs -> docs/cpu-performance.md, docs/img/cpu-sweep.svg"

@@ -16,12 +16,27 @@
 // rows), fma_floor_ns (the same work's 2 x g x q_len x D multiply-adds at the measured fp32 FMA
 // peak, Q . K's at twice it where they run on bf16 dot products), and GB_per_cpu_s (KV bytes per
 // CPU second).
+//
+// Pair/... benchmarks run two variants of one step in the same process, one call of each in turn
+// (which goes first alternates), and report ns_a and ns_b (medians, ns per token-head) and b_over_a
+// (the median of the ratio call by call): on a shared host, where the same binary's rate moves by
+// up to 2x from one second to the next, that ratio is what the noise affects least.
+//   pfp32_vs_pbf16  P in fp32 against P in bf16 (P . V on AMX tiles, or the bf16 dot products
+//                   where there are no tiles: the question for Zen 4 / 5), Q as the backend's
+//                   auto modes take it for bf16 queries (int8 where it runs, else bf16)
+//   fma_vs_dot      Q . K on fp32 FMAs (CpuKernelOptions::bf16_dot off) against the dot products
+//   noamx_vs_amx    q_len 4 (16 rows): the tiles off against on
 #include <benchmark/benchmark.h>
 
+#include <time.h>
+
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -90,6 +105,79 @@ void Decode(benchmark::State& state, Format format, int group, int q_len, QMode 
   state.counters["fma_floor_ns"] = flops_per_token_head / fma_peak_flops_one_thread() * 1e9;
   state.counters["GB_per_cpu_s"] = benchmark::Counter(
       double(problem.kv_bytes_read()) * state.iterations() / 1e9, benchmark::Counter::kIsRate);
+}
+
+// One side of a Pair benchmark: the kernel variants and the modes of its step.
+struct Variant {
+  std::optional<QMode> q_mode;  // unset: the backend's auto mode for bf16 queries
+  PMode p_mode = PMode::fp32;
+  bool bf16_dot = true;  // false: turned off (else as the environment has it)
+  bool amx = true;
+};
+
+// The calling thread's CPU time in nanoseconds.
+double thread_ns() {
+  timespec t{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return double(t.tv_sec) * 1e9 + double(t.tv_nsec);
+}
+
+double median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  const std::size_t n = values.size();
+  return n == 0 ? 0.0 : n % 2 == 1 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
+}
+
+void Pair(benchmark::State& state, Format format, int group, int q_len, Variant a, Variant b) {
+  verify::ProblemSpec spec;
+  spec.format = format;
+  spec.num_kv_heads = kKvHeads;
+  spec.group = group;
+  spec.head_dim = kHeadDim;
+  spec.params.q_len = q_len;
+  spec.seq_lens = {kContext};
+  spec.keep_original_kv = false;
+  verify::Problem problem(spec);
+  struct Side {
+    std::unique_ptr<Backend> backend;
+    DecodeArgs args;
+    BackendPlan plan{PlanCapacity{1, kKvHeads, 16}};
+    std::vector<std::byte> workspace;
+    std::vector<double> ns;
+  };
+  Side sides[2];
+  const Variant* variants[2] = {&a, &b};
+  for (int i = 0; i < 2; ++i) {
+    Side& side = sides[i];
+    BackendOptions options = OneThread();
+    options.cpu_kernels.bf16_dot &= variants[i]->bf16_dot;
+    options.cpu_kernels.amx &= variants[i]->amx;
+    side.backend = make_backend("cpu", options);
+    side.args = problem.args();
+    side.args.params.q_mode = variants[i]->q_mode.value_or(
+        side.backend->auto_modes(side.args.cache.geometry, group * q_len, true).q_mode);
+    side.args.params.p_mode = variants[i]->p_mode;
+    side.backend->plan(side.plan, side.args.step_shape(), PlanOptions{.workers = 1});
+    side.workspace.resize(side.backend->workspace_bytes(side.plan.plan(), side.args.cache.geometry,
+                                                        side.args.params));
+    side.backend->run(side.args, side.plan, side.workspace);  // warm-up
+  }
+  const double token_heads = double(kContext) * kKvHeads;
+  std::vector<double> ratios;
+  std::int64_t call = 0;
+  for (auto _ : state) {
+    for (int k = 0; k < 2; ++k) {
+      Side& side = sides[(call + k) % 2];
+      const double begin = thread_ns();
+      side.backend->run(side.args, side.plan, side.workspace);
+      side.ns.push_back((thread_ns() - begin) / token_heads);
+    }
+    ratios.push_back(sides[1].ns.back() / sides[0].ns.back());
+    ++call;
+  }
+  state.counters["ns_a"] = median(sides[0].ns);
+  state.counters["ns_b"] = median(sides[1].ns);
+  state.counters["b_over_a"] = median(ratios);
 }
 
 // A prompt's prefill on one core: one sequence of kPrefillTokens tokens, all of them query tokens
@@ -162,6 +250,22 @@ const int registered = [] {
       benchmark::RegisterBenchmark(name.c_str(), Prefill, format, p_mode)
           ->Unit(benchmark::kMillisecond);
     }
+  }
+  // Pairs, g 4: what the auto modes would choose between, on this CPU.
+  for (const Format format : kAllFormats) {
+    const std::string shape = "/" + std::string(to_string(format)) + "/g4/";
+    benchmark::RegisterBenchmark(("Pair" + shape + "q_len1/pfp32_vs_pbf16").c_str(), Pair, format,
+                                 4, 1, Variant{std::nullopt, PMode::fp32},
+                                 Variant{std::nullopt, PMode::bf16})
+        ->Unit(benchmark::kMicrosecond);
+    benchmark::RegisterBenchmark(("Pair" + shape + "q_len1/fma_vs_dot").c_str(), Pair, format, 4, 1,
+                                 Variant{QMode::bf16, PMode::fp32, /*bf16_dot=*/false},
+                                 Variant{QMode::bf16, PMode::fp32})
+        ->Unit(benchmark::kMicrosecond);
+    benchmark::RegisterBenchmark(("Pair" + shape + "q_len4/noamx_vs_amx").c_str(), Pair, format, 4,
+                                 4, Variant{QMode::bf16, PMode::bf16, true, /*amx=*/false},
+                                 Variant{QMode::bf16, PMode::bf16})
+        ->Unit(benchmark::kMicrosecond);
   }
   benchmark::RegisterBenchmark("FmaPeak/1thread", FmaPeak)->Iterations(1);
   return 0;
