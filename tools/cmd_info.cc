@@ -54,8 +54,10 @@ int run_info() {
   std::printf(
       "bf16 dot products (Q . K with Q in bf16 or fp8; P . V with P in bf16 without AMX): %s\n",
       !cpu::cpu_has_bf16_dot() ? "no (the dispatched target or the CPU lacks AVX512_BF16)"
-      : kernels.bf16_dot       ? "yes"
-                               : "off (MJOLNIR_CPU_BF16_DOT=0)");
+      : !kernels.bf16_dot      ? "off (MJOLNIR_CPU_BF16_DOT=0)"
+      : kernels.bf16_dot_below_tiles
+          ? "yes"
+          : "on the AMX tiles (below their 8 rows Q . K runs on fp32 FMAs, faster on these cores)");
   std::printf(
       "AMX tiles (Q . K from 8 query rows, where the dot products apply; P . V with P in bf16): "
       "%s\n",

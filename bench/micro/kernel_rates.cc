@@ -25,6 +25,7 @@
 //                   where there are no tiles: the question for Zen 4 / 5), Q as the backend's
 //                   auto modes take it for bf16 queries (int8 where it runs, else bf16)
 //   fma_vs_dot      Q . K on fp32 FMAs (CpuKernelOptions::bf16_dot off) against the dot products
+//                   (the tiles off, so that they take the 4 rows where there are tiles)
 //   noamx_vs_amx    q_len 4 (16 rows): the tiles off against on
 #include <benchmark/benchmark.h>
 
@@ -97,7 +98,9 @@ void Decode(benchmark::State& state, Format format, int group, int q_len, QMode 
   // QK and PV, 2 flops per multiply-add; QK's at twice the rate where it runs on bf16 dot
   // products (2 multiply-adds per lane and instruction), 4 times in integers (4).
   const bool int8 = q_mode == QMode::int8 && cpu::int8_dot_applies(format, kHeadDim);
-  const bool dot = cpu::bf16_dot_applies(cpu::kernel_config(*backend), format, q_mode, kHeadDim);
+  const cpu::KernelConfig config = cpu::kernel_config(*backend);
+  const bool dot = cpu::bf16_dot_applies(config, format, q_mode, kHeadDim) &&
+                   (config.bf16_dot_below_tiles || group * q_len >= cpu::kAmxMinRows);
   const double qk_share = int8 ? 0.25 : dot ? 0.5 : 1.0;
   const double flops_per_token_head = 2.0 * group * q_len * kHeadDim * (1.0 + qk_share);
   state.counters["ns_per_token_head"] = benchmark::Counter(
@@ -260,7 +263,7 @@ const int registered = [] {
         ->Unit(benchmark::kMicrosecond);
     benchmark::RegisterBenchmark(("Pair" + shape + "q_len1/fma_vs_dot").c_str(), Pair, format, 4, 1,
                                  Variant{QMode::bf16, PMode::fp32, /*bf16_dot=*/false},
-                                 Variant{QMode::bf16, PMode::fp32})
+                                 Variant{QMode::bf16, PMode::fp32, true, /*amx=*/false})
         ->Unit(benchmark::kMicrosecond);
     benchmark::RegisterBenchmark(("Pair" + shape + "q_len4/noamx_vs_amx").c_str(), Pair, format, 4,
                                  4, Variant{QMode::bf16, PMode::bf16, true, /*amx=*/false},

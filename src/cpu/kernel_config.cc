@@ -37,6 +37,7 @@ KernelConfig resolve_kernel_config(const CpuKernelOptions& options) {
   KernelConfig config;
   config.bf16_dot = options.bf16_dot && cpu_has_bf16_dot();
   config.amx = options.amx && config.bf16_dot && cpu_has_amx();
+  config.bf16_dot_below_tiles = config.bf16_dot && !config.amx;
   config.avoid_fp32_subnormals = options.avoid_fp32_subnormals.value_or(fp32_subnormals_are_slow());
   return config;
 }

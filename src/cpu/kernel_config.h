@@ -15,6 +15,11 @@ namespace mjolnir::cpu {
 struct KernelConfig {
   bool bf16_dot = false;  // asked for, and the dispatched target and the CPU have them
   bool amx = false;       // asked for, with the dot products, and the CPU grants the tiles
+  // Q . K on the dot products below the tiles' rows too (kAmxMinRows). Not where the tiles run:
+  // on those cores (Intel's) a vdpbf16ps costs about four FMAs, and fp32 FMAs took 0.88-1.01 of
+  // its time for steps of 4 query rows, 0.93 for bf16 (docs/cpu-experiments.md, "Variant
+  // pairs").
+  bool bf16_dot_below_tiles = false;
   // Decoders that never make an fp32 subnormal (word_decoders-inl.h, VisitKernelDecoder).
   bool avoid_fp32_subnormals = false;
 };

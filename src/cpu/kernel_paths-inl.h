@@ -56,6 +56,9 @@ struct UnitPaths {
   bool exact = false;       // P in fp8: scores in the emulator's order
   bool dot_format = false;  // the bf16 dot products apply to the format, head size and P mode
   bool amx_scores = false;  // where a head takes the dot products, it takes them on AMX tiles
+  // Where a head would take the dot products and the tiles do not, it takes them; else fp32
+  // FMAs (KernelConfig::bf16_dot_below_tiles).
+  bool dot_scores = false;
   bool amx_values = false;  // P . V on AMX tiles (scores then in the tiles' column layout)
   bool dot_values = false;  // P . V on the bf16 dot products, where the tiles do not take it
   int value_rows = 0;       // amx_values: the query rows of its A and C tiles (AmxValueRows)
@@ -91,6 +94,7 @@ UnitPaths ChooseUnitPaths(const KernelConfig& config, const DecodeArgs& args, in
         words_pay && !paths.amx_values && dot_values_apply(config, format, args.params.p_mode, d);
     paths.dot_format = !paths.exact && bf16_dot_applies(config, format, QMode::bf16, d);
     paths.amx_scores = paths.dot_format && amx_scores_apply(config, format, rows, d);
+    paths.dot_scores = paths.amx_scores || (paths.dot_format && config.bf16_dot_below_tiles);
 #if MJOLNIR_AMX
     if (paths.amx_values) paths.value_rows = AmxValueRows(rows, paths.amx_scores);
 #endif
@@ -107,7 +111,7 @@ UnitPaths ChooseUnitPaths(const KernelConfig& config, const DecodeArgs& args, in
 inline ScorePath HeadScorePath(const UnitPaths& paths, QMode q_mode, const float* qn,
                                std::size_t count) {
   if (paths.int8) return ScorePath::int8;
-  if (paths.dot_format && (q_mode != QMode::fp32 || AllBf16Values(qn, count))) {
+  if (paths.dot_scores && (q_mode != QMode::fp32 || AllBf16Values(qn, count))) {
     return paths.amx_scores ? ScorePath::amx : ScorePath::bf16_dot;
   }
   return paths.exact ? ScorePath::exact : ScorePath::fast;
