@@ -71,11 +71,10 @@ double fma_peak_flops_one_thread() {
   return flops;
 }
 
-void Decode(benchmark::State& state, Format format, int group, int q_len, QMode q_mode,
-            PMode p_mode) {
+// One sequence of kContext tokens over kKvHeads heads of kHeadDim channels: the decode step both
+// Decode and Pair time.
+verify::ProblemSpec DecodeSpec(Format format, int group, int q_len) {
   verify::ProblemSpec spec;
-  spec.params.q_mode = q_mode;
-  spec.params.p_mode = p_mode;
   spec.format = format;
   spec.num_kv_heads = kKvHeads;
   spec.group = group;
@@ -83,6 +82,14 @@ void Decode(benchmark::State& state, Format format, int group, int q_len, QMode 
   spec.params.q_len = q_len;
   spec.seq_lens = {kContext};
   spec.keep_original_kv = false;
+  return spec;
+}
+
+void Decode(benchmark::State& state, Format format, int group, int q_len, QMode q_mode,
+            PMode p_mode) {
+  verify::ProblemSpec spec = DecodeSpec(format, group, q_len);
+  spec.params.q_mode = q_mode;
+  spec.params.p_mode = p_mode;
   verify::Problem problem(spec);
   const DecodeArgs args = problem.args();
   const auto backend = make_backend("cpu", OneThread());
@@ -132,15 +139,7 @@ double median(std::vector<double> values) {
 }
 
 void Pair(benchmark::State& state, Format format, int group, int q_len, Variant a, Variant b) {
-  verify::ProblemSpec spec;
-  spec.format = format;
-  spec.num_kv_heads = kKvHeads;
-  spec.group = group;
-  spec.head_dim = kHeadDim;
-  spec.params.q_len = q_len;
-  spec.seq_lens = {kContext};
-  spec.keep_original_kv = false;
-  verify::Problem problem(spec);
+  verify::Problem problem(DecodeSpec(format, group, q_len));
   struct Side {
     std::unique_ptr<Backend> backend;
     DecodeArgs args;
