@@ -107,7 +107,7 @@ void Decode(benchmark::State& state, Format format, int group, int q_len, QMode 
   const bool int8 = q_mode == QMode::int8 && cpu::int8_dot_applies(format, kHeadDim);
   const cpu::KernelConfig config = cpu::kernel_config(*backend);
   const bool dot = cpu::bf16_dot_applies(config, format, q_mode, kHeadDim) &&
-                   (config.bf16_dot_below_tiles || group * q_len >= cpu::kAmxMinRows);
+                   cpu::dot_scores_apply(config, format, group * q_len, kHeadDim);
   const double qk_share = int8 ? 0.25 : dot ? 0.5 : 1.0;
   const double flops_per_token_head = 2.0 * group * q_len * kHeadDim * (1.0 + qk_share);
   state.counters["ns_per_token_head"] = benchmark::Counter(

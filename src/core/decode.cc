@@ -206,8 +206,6 @@ void check_plan(const Plan& plan, const DecodeArgs& args) {
 void Backend::plan(BackendPlan& out, const StepShape& step, const PlanOptions& options) const {
   // Unplanned until both parts are made: a make_plan that throws leaves nothing run() accepts.
   out.planned_by_.clear();
-  out.plan_.num_items = 0;
-  out.plan_.num_query_tiles = 0;
   make_plan(out.plan_, step, options);
   prepare(out.plan_, out.prepared_);
   out.planned_by_ = name();

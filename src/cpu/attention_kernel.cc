@@ -554,6 +554,11 @@ bool amx_scores_apply(const KernelConfig& config, Format format, int rows, int h
          bf16_dot_applies(config, format, QMode::bf16, head_dim);
 }
 
+bool dot_scores_apply(const KernelConfig& config, Format format, int rows, int head_dim) {
+  return bf16_dot_applies(config, format, QMode::bf16, head_dim) &&
+         (config.bf16_dot_below_tiles || amx_scores_apply(config, format, rows, head_dim));
+}
+
 bool dot_values_apply(const KernelConfig& config, Format format, PMode p_mode, int head_dim) {
   return p_mode == PMode::bf16 && bf16_dot_applies(config, format, QMode::bf16, head_dim);
 }

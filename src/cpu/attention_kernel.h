@@ -88,6 +88,10 @@ bool int8_dot_applies(Format format, int head_dim);
 // Whether a unit of `rows` query rows of this format and head size runs Q . K on AMX tiles under
 // `config`: from kAmxMinRows, wherever the bf16 dot products apply.
 bool amx_scores_apply(const KernelConfig& config, Format format, int rows, int head_dim);
+// Whether such a unit's Q . K (for queries whose values are bf16 values) runs on the bf16 dot
+// products at all, on the tiles or off them: wherever they apply, except below the tiles' rows
+// where the tiles run (KernelConfig::bf16_dot_below_tiles), which takes fp32 FMAs there.
+bool dot_scores_apply(const KernelConfig& config, Format format, int rows, int head_dim);
 // Whether steps of this format, P mode and head size run P . V on AMX tiles (cpu/amx_values-inl.h):
 // P mode bf16, the tiles taken under `config`, a format whose values are bf16 values (not fp16),
 // D a multiple of 64; nvfp4 from kAmxMinRows query rows (kernel_paths-inl.h). Their P is rounded

@@ -155,9 +155,7 @@ class CpuBackend final : public Backend {
     MJOLNIR_REQUIRE(
         workspace.size() >=
             Backend::workspace_bytes(plan, args.cache.geometry, args.params) + parts_bytes,
-        "workspace: ", workspace.size(),
-        " bytes do not hold the token parts of units "
-        "cut for ",
+        "workspace: ", workspace.size(), " bytes do not hold the token parts of units cut for ",
         prepared->threads, " threads (size it after planning)");
     float* partial_o = reinterpret_cast<float*>(workspace.data());
     float* partial_lse = partial_o + layout.o_floats(slots);

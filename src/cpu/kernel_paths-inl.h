@@ -53,12 +53,10 @@ enum class ScorePath : std::uint8_t {
 
 // The paths of one unit, the same for all its heads.
 struct UnitPaths {
-  bool exact = false;       // P in fp8: scores in the emulator's order
-  bool dot_format = false;  // the bf16 dot products apply to the format, head size and P mode
-  bool amx_scores = false;  // where a head takes the dot products, it takes them on AMX tiles
-  // Where a head would take the dot products and the tiles do not, it takes them; else fp32
-  // FMAs (KernelConfig::bf16_dot_below_tiles).
+  bool exact = false;  // P in fp8: scores in the emulator's order
+  // Heads whose queries are bf16 values take Q . K on the dot products (dot_scores_apply) ...
   bool dot_scores = false;
+  bool amx_scores = false;  // ... and on AMX tiles
   bool amx_values = false;  // P . V on AMX tiles (scores then in the tiles' column layout)
   bool dot_values = false;  // P . V on the bf16 dot products, where the tiles do not take it
   int value_rows = 0;       // amx_values: the query rows of its A and C tiles (AmxValueRows)
@@ -92,9 +90,8 @@ UnitPaths ChooseUnitPaths(const KernelConfig& config, const DecodeArgs& args, in
     paths.amx_values = words_pay && amx_values_apply(config, format, args.params.p_mode, d);
     paths.dot_values =
         words_pay && !paths.amx_values && dot_values_apply(config, format, args.params.p_mode, d);
-    paths.dot_format = !paths.exact && bf16_dot_applies(config, format, QMode::bf16, d);
-    paths.amx_scores = paths.dot_format && amx_scores_apply(config, format, rows, d);
-    paths.dot_scores = paths.amx_scores || (paths.dot_format && config.bf16_dot_below_tiles);
+    paths.dot_scores = !paths.exact && dot_scores_apply(config, format, rows, d);
+    paths.amx_scores = paths.dot_scores && amx_scores_apply(config, format, rows, d);
 #if MJOLNIR_AMX
     if (paths.amx_values) paths.value_rows = AmxValueRows(rows, paths.amx_scores);
 #endif

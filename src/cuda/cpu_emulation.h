@@ -128,7 +128,6 @@ class CtaRunner {
       makecontext(&fiber.context, &CtaRunner::entry, 0);
       ready_.push_back(t);
     }
-    CtaRunner* const outer = running;
     running = this;
     while (!ready_.empty()) {
       current_ = ready_.front();
@@ -139,7 +138,7 @@ class CtaRunner {
       block_dim = {unsigned(threads)};
       switch_to_fiber(fibers_[std::size_t(current_)]);
     }
-    running = outer;
+    running = nullptr;
     cta = nullptr;
     if (finished_ != threads) {
       throw std::logic_error("emulated CTA " + std::to_string(block) + ": " +
