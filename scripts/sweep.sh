@@ -4,8 +4,9 @@
 # machine), the cache-resident kernel rates (bench/micro/kernel_rates, JSON beside it) and its
 # variant pairs (kernel-pairs-*.json), and renders the doc's tables and plot from those files. About 20 minutes on 2 cores; run it on an
 # otherwise idle machine, since the bench divides by a bandwidth it measures at the start.
-# The sweep runs in the CPU's numerics mode, Q in bf16 and P in fp32 (where the CPU has AVX512_BF16,
-# Q . K then runs on bf16 dot products); a --q-mode flag given here replaces it.
+# The sweep runs in the backend's default numerics modes (--q-mode / --p-mode auto, what
+# `mjolnir bench` and the vLLM plugin use: per format, the fastest mode within the accuracy
+# bound of docs/numerics.md); --q-mode / --p-mode flags given here replace them.
 #   scripts/sweep.sh [extra mjolnir bench flags, e.g. --threads 4 --min-time 2 --q-mode fp32]
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -17,9 +18,7 @@ python3 -c "import matplotlib" 2>/dev/null || python3 -m pip install --quiet mat
 
 mkdir -p bench/results
 log=$(mktemp)
-mode=(--q-mode bf16)
-for arg in "$@"; do [[ $arg == --q-mode* ]] && mode=(); done
-build/tools/mjolnir bench --sweep "${mode[@]}" "$@" | tee "$log"
+build/tools/mjolnir bench --sweep "$@" | tee "$log"
 results=$(sed -n 's/^results: //p' "$log")
 rm -f "$log"
 rates="${results%.json}"

@@ -69,7 +69,7 @@ std::vector<Series> sweep_series(bool on_gpu) {
 // runs of other characters as one '-'; the Q and P modes named where they are not fp32.
 std::string sweep_results_path(const std::string& dir, const std::string& backend,
                                const std::string& date, const std::string& machine,
-                               const DecodeParams& params) {
+                               const std::string& q_mode, const std::string& p_mode) {
   std::string model = machine;
   for (const std::string mark : {"(R)", "(r)", "(TM)", "(tm)"}) {
     for (std::size_t at = model.find(mark); at != std::string::npos; at = model.find(mark, at)) {
@@ -86,8 +86,12 @@ std::string sweep_results_path(const std::string& dir, const std::string& backen
   }
   while (!slug.empty() && slug.back() == '-') slug.pop_back();
   std::string modes;
-  if (params.q_mode != QMode::fp32) modes += "-q" + std::string(to_string(params.q_mode));
-  if (params.p_mode != PMode::fp32) modes += "-p" + std::string(to_string(params.p_mode));
+  if (q_mode == "auto" && p_mode == "auto") {
+    modes = "-auto";  // the backend's modes, per format
+  } else {
+    if (q_mode != "fp32") modes += "-q" + q_mode;
+    if (p_mode != "fp32") modes += "-p" + p_mode;
+  }
   return dir + "/" + backend + "-sweep-" + date + "-" + (slug.empty() ? "unknown" : slug) + modes +
          ".json";
 }

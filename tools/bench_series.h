@@ -35,9 +35,10 @@ std::vector<Format> parse_formats(const std::vector<std::string>& names);
 Series series_from_flags(const BenchOptions& options);
 // The sweep of docs/cpu-performance.md (and docs/cuda.md for the GPU).
 std::vector<Series> sweep_series(bool on_gpu);
-// bench/results/<backend>-sweep-<date>-<machine>[-q<mode>][-p<mode>].json.
+// bench/results/<backend>-sweep-<date>-<machine>[-q<mode>][-p<mode>].json for the --q-mode and
+// --p-mode given (fp32 is left out), -auto when both are "auto" (the backend's, per format).
 std::string sweep_results_path(const std::string& dir, const std::string& backend,
                                const std::string& date, const std::string& machine,
-                               const DecodeParams& params);
+                               const std::string& q_mode, const std::string& p_mode);
 
 }  // namespace mjolnir::tools

@@ -331,11 +331,8 @@ int run_bench(const BenchOptions& options) {
     const std::string machine = limit.machine.contains("gpu")
                                     ? limit.machine["gpu"].get<std::string>()
                                     : cpu_model_name() + " " + std::to_string(threads) + "t";
-    // Named for the modes of the first format (auto resolves per format).
-    const verify::ProblemSpec first =
-        with_format(base_spec(options, runs[0]), options, *backend, runs[0].formats.front());
     json_path = sweep_results_path(options.results_dir, std::string(backend->name()), utc_date(),
-                                   machine, first.params);
+                                   machine, options.q_mode, options.p_mode);
   }
   std::ofstream json_file;
   if (!json_path.empty()) {
