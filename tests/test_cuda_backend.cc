@@ -433,6 +433,40 @@ TEST(CudaGraph, UploadRefusesWhatDoesNotFit) {
   }
 }
 
+// enqueue_planned_decode() sizes its grids to the plan it is given, so that plan must be the
+// one the step buffer holds: another plan (a later step's, before its upload) is refused before
+// anything is launched, naming the plan.
+TEST(CudaGraph, PlannedDecodeRefusesAPlanNotUploaded) {
+  MJOLNIR_SKIP_WITHOUT_GPU();
+  verify::Problem problem(small_spec(testing::test_seed()));
+  const DecodeArgs host = problem.args();
+  cuda::StepCapacity capacity;
+  capacity.plan = PlanCapacity{4, 2, 4};
+  capacity.max_pages_per_seq = 64;
+  cuda::DecodeStep step(capacity);
+  Plan uploaded(capacity.plan), other(capacity.plan);
+  make_plan(uploaded, host.batch.seq_lens, 1, 2, PlanOptions{});
+  PlanOptions split;
+  split.fixed_splits = 2;
+  split.min_chunk_tokens = 1;
+  split.tile_tokens = 16;
+  make_plan(other, host.batch.seq_lens, 1, 2, split);
+  ASSERT_NE(other.num_items, uploaded.num_items);
+  float scale = 1.0f;
+  const cuda::DeviceScales scales{&scale, &scale};  // not read: refused first
+  for (const bool upload_first : {false, true}) {
+    if (upload_first) step.upload(host.batch, uploaded, host.cache.geometry, nullptr);
+    try {
+      cuda::enqueue_planned_decode(host, other, scales, step, {}, nullptr);
+      ADD_FAILURE() << "a plan that is not the uploaded one was enqueued";
+    } catch (const Error& e) {
+      EXPECT_TRUE(std::string(e.what()).starts_with("plan: not the plan last uploaded"))
+          << e.what();
+    }
+  }
+  cuda_ok(cudaDeviceSynchronize(), "sync");
+}
+
 // --- numerics
 // ---------------------------------------------------------------------------------------
 

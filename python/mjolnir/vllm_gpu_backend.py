@@ -17,11 +17,15 @@ and mixed steps, validation, and every layer that does not qualify (which logs w
   (torch.ops.mjolnir.plan_step on the "cuda" backend) and every layer runs that plan.
 - fp8 caches take vLLM's per-tensor k/v scales (the layer's floats), bf16 / fp16 caches 1.
 
-What this first version does not do, and says so: it copies the step's sequence lengths and
-block table to the host once per step to plan (one synchronisation a step), and each layer's
-call waits for torch's stream and for its own kernels, so it declares no CUDA-graph support
-(vLLM then runs attention eagerly between its graph pieces). It has not run inside vLLM on a GPU:
-no GPU machine here has vLLM (docs/vllm.md).
+- Each layer's call only enqueues work on torch's current stream: the step's plan goes into the
+  device step buffer once per step (before its first layer), the kernels read vLLM's scale
+  tensors where they are, and nothing waits for the device.
+
+What this version does not do, and says so: it copies the step's sequence lengths and block
+table to the host once per step to plan (one synchronisation a step), and its kernels' grids are
+sized to each step's plan, so a captured graph would replay the captured step's grids: it
+declares no CUDA-graph support (vLLM then runs attention eagerly between its graph pieces). It
+has not run inside vLLM on a GPU: no GPU machine here has vLLM (docs/vllm.md).
 """
 
 from __future__ import annotations
@@ -113,7 +117,8 @@ class MjolnirGpuAttentionBackend(_Backend):
 class MjolnirGpuMetadataBuilder(_Builder):
     """vLLM's metadata builder, plus the step's mjolnir plan when the step qualifies."""
 
-    # Each layer's call synchronises (see the module's docstring): nothing to capture.
+    # Each step's kernels are launched with grids sized to its own plan (see the module's
+    # docstring): a captured graph would replay the wrong ones.
     _cudagraph_support = AttentionCGSupport.NEVER
 
     @classmethod
@@ -207,15 +212,25 @@ class MjolnirGpuAttentionImpl(_Impl):
         self.__dict__["_mjolnir_state"] = state
         return state if state["owned"] else None
 
-    def _scales(self, layer, fmt: str):
-        """Host float32 tensors of the layer's K and V scales: vLLM's per-tensor floats for
-        fp8, 1 otherwise; remade only when vLLM's values change."""
-        values = (1.0, 1.0) if fmt in ("bf16", "fp16") else (
-            float(getattr(layer, "_k_scale_float", 1.0)),
-            float(getattr(layer, "_v_scale_float", 1.0)))
+    def _scales(self, layer, fmt: str, device: torch.device):
+        """The layer's K and V scales as float32 tensors on the cache's device, which the
+        kernels read there (a host value would make each call wait for a copy): vLLM's own
+        per-tensor scale tensors for fp8 where the layer has them on that device, else tensors
+        made once from its floats; ones for bf16 / fp16."""
+        if fmt not in ("bf16", "fp16"):
+            k, v = getattr(layer, "_k_scale", None), getattr(layer, "_v_scale", None)
+            if isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) \
+                    and k.device == device and v.device == device \
+                    and k.dtype == torch.float32 and v.dtype == torch.float32:
+                return k, v
+            values = (float(getattr(layer, "_k_scale_float", 1.0)),
+                      float(getattr(layer, "_v_scale_float", 1.0)))
+        else:
+            values = (1.0, 1.0)
         cached = self.__dict__.get("_mjolnir_scales")
-        if cached is None or cached[0] != values:
-            cached = (values, torch.tensor([values[0]]), torch.tensor([values[1]]))
+        if cached is None or cached[0] != (values, device):
+            cached = ((values, device), torch.tensor([values[0]], device=device),
+                      torch.tensor([values[1]], device=device))
             self.__dict__["_mjolnir_scales"] = cached
         return cached[1], cached[2]
 
@@ -233,7 +248,7 @@ class MjolnirGpuAttentionImpl(_Impl):
         # The cache write stays the base backend's (its own step when
         # forward_includes_kv_cache_update is False, vLLM calls do_kv_cache_update first).
         rows = step.query_rows()
-        k_scale, v_scale = self._scales(layer, state["format"])
+        k_scale, v_scale = self._scales(layer, state["format"], kv_cache.device)
         try:
             step.attend(output[:rows].view(rows, self.num_heads, self.head_size), query[:rows],
                         state["view"], k_scale, v_scale, state["format"], LAYOUT, self.scale)

@@ -150,3 +150,50 @@ def test_cuda_plan_once_over_a_vllm_gpu_cache(gen, fmt):
                         torch.tensor(seq_lens, dtype=torch.int32), 1)
         err = rel_err(out.float().cpu(), ref)
         assert err < 1e-2, f"{fmt} layer {layer}: relative error {err:.3g}"
+
+
+def plan_on_cuda(p: Problem):
+    """A Step for the problem's sequences on the "cuda" backend (planned on the host)."""
+    hq, hk = p.q.shape[1], p.kv_cache.shape[p.layout.index("H")]
+    return torch.ops.mjolnir.plan_step(p.seq_lens, p.block_table, None, p.q_len, hq, hk, True,
+                                       "fp32", "fp32", 0, 0, "cuda")
+
+
+def test_cuda_attend_only_enqueues(gen):
+    """A layer's attend on CUDA tensors with device scales launches its kernels on torch's
+    current stream and returns without waiting for the device: queued behind a long sleep
+    kernel, the stream is still busy when three layers' calls have returned, and once it
+    drains every layer's output is right."""
+    p = Problem(gen, "fp8_e4m3", "BHN2D", 1, "head", d=128, max_len=2000)
+    step = plan_on_cuda(p)
+    cache, ks, vs = p.kv_cache.cuda(), p.k_scale.cuda(), p.v_scale.cuda()
+    layers = []
+    for _ in range(3):  # each layer its own queries
+        p.q = torch.randn(p.q.shape, generator=gen)
+        layers.append((p.reference(), p.q.cuda(), torch.full(p.q.shape, float("nan"),
+                                                             device="cuda")))
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # about a second of one SM's clock
+    for _, q, out in layers:
+        step.attend(out, q, cache, ks, vs, p.fmt, p.layout, 0.0)
+    busy = not torch.cuda.current_stream().query()
+    torch.cuda.synchronize()
+    assert busy, "attend waited for the device"
+    for i, (ref, _, out) in enumerate(layers):
+        err = rel_err(out.cpu(), ref)
+        assert err < 1e-5, f"layer {i}: relative error {err:.3g}"
+
+
+def test_cuda_steps_share_the_step_buffer(gen):
+    """Steps of different sequences planned one after the other share the device step buffer:
+    each layer's attend runs its own step's plan even when another step's was uploaded since
+    (A, B, A, B), and a step larger than the buffer grows it."""
+    small = Problem(gen, "bf16", "2BNHD", 1, "tensor", d=128, max_len=200, num_seqs=2)
+    large = Problem(gen, "bf16", "2BNHD", 1, "tensor", d=128, max_len=3000, num_seqs=6)
+    steps = [(plan_on_cuda(p), p, p.reference()) for p in (small, large, small, large)]
+    for step, p, ref in steps:
+        out = torch.empty(p.q.shape, device="cuda")
+        step.attend(out, p.q.cuda(), p.kv_cache.cuda(), p.k_scale.cuda(), p.v_scale.cuda(),
+                    p.fmt, p.layout, 0.0)
+        err = rel_err(out.cpu(), ref)
+        assert err < 1e-5, f"{p.seq_lens.tolist()}: relative error {err:.3g}"

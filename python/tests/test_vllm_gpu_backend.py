@@ -30,7 +30,7 @@ def test_classes_subclass_vllms_flash_attention():
     assert gpu.MjolnirGpuAttentionBackend.get_impl_cls() is gpu.MjolnirGpuAttentionImpl
     assert gpu.MjolnirGpuAttentionBackend.get_builder_cls() is gpu.MjolnirGpuMetadataBuilder
     assert gpu.MjolnirGpuAttentionBackend.get_name() == "CUSTOM"
-    # Each layer's call synchronises: no CUDA-graph support is claimed.
+    # Grids sized to each step's plan: no CUDA-graph support is claimed.
     assert gpu.MjolnirGpuMetadataBuilder.get_cudagraph_support(None, None) == \
         AttentionCGSupport.NEVER
 
@@ -227,3 +227,26 @@ def test_forward_runs_the_plan_or_the_base_backend(gen, monkeypatch):
     other.forward(layer, q, None, None, cache, types.SimpleNamespace(mjolnir_step=wrong), out)
     other.forward(layer, q, None, None, cache, types.SimpleNamespace(mjolnir_step=step), out)
     assert calls == ["base", "base", "base", "base"]
+
+
+def test_scales_stay_where_the_cache_is():
+    """The scales a layer hands the op are tensors on the cache's device (which the CUDA kernels
+    read in place, with no copy a call would wait for): vLLM's own fp8 scale tensors when the
+    layer has them there, else tensors of its floats made once; ones for bf16."""
+    impl = make_impl(kv_cache_dtype="fp8")
+    device = torch.device("cpu")
+    k, v = torch.tensor([0.5]), torch.tensor([0.25])
+    layer = types.SimpleNamespace(_k_scale=k, _v_scale=v, _k_scale_float=0.5,
+                                  _v_scale_float=0.25)
+    ks, vs = impl._scales(layer, "fp8_e4m3", device)
+    assert ks is k and vs is v
+    floats_only = types.SimpleNamespace(_k_scale_float=0.125, _v_scale_float=2.0)
+    ks, vs = impl._scales(floats_only, "fp8_e4m3", device)
+    assert ks.device == device and ks.dtype == torch.float32
+    assert ks.tolist() == [0.125] and vs.tolist() == [2.0]
+    assert impl._scales(floats_only, "fp8_e4m3", device)[0] is ks  # made once
+    wrong_dtype = types.SimpleNamespace(_k_scale=k.double(), _v_scale=v.double(),
+                                        _k_scale_float=0.5, _v_scale_float=0.25)
+    assert impl._scales(wrong_dtype, "fp8_e4m3", device)[0].tolist() == [0.5]
+    ks, vs = make_impl()._scales(types.SimpleNamespace(), "bf16", device)
+    assert ks.tolist() == [1.0] and vs.tolist() == [1.0] and ks.device == device

@@ -33,15 +33,6 @@ constexpr int kPlannedCtasPerSm = 8;
 // the same rule unmeasured.
 constexpr int kResidentCtasPerSm = 3;
 
-// The step buffers the synchronous run() reuses, grown when a call needs more.
-bool covers(const StepCapacity& have, const StepCapacity& need) {
-  return have.plan.max_seqs >= need.plan.max_seqs &&
-         have.plan.num_kv_heads == need.plan.num_kv_heads &&
-         have.plan.max_splits >= need.plan.max_splits &&
-         have.max_pages_per_seq >= need.max_pages_per_seq &&
-         have.max_tile_tokens >= need.max_tile_tokens;
-}
-
 // A device buffer that grows and is never shrunk.
 class DeviceBuffer {
  public:
@@ -64,8 +55,7 @@ class DeviceBuffer {
 
 class CudaBackend final : public Backend {
  public:
-  explicit CudaBackend(const CudaKernelOptions& kernels)
-      : layout_limit_(mma_layout_limit(kernels)) {
+  explicit CudaBackend(const CudaKernelOptions& kernels) : kernels_(kernels) {
     std::string why;
     const std::vector<GpuDevice> devices = cuda_devices(&why);
     if (devices.empty()) {
@@ -112,12 +102,8 @@ class CudaBackend final : public Backend {
     std::lock_guard lock(mutex_);
     // Legacy default stream: ordered after the caller's work on blocking streams.
     const cudaStream_t stream = nullptr;
-    StepCapacity need;
-    need.plan = plan.capacity;
-    need.plan.max_seqs = std::max(plan.capacity.max_seqs, num_seqs);
-    need.max_pages_per_seq = std::max(1, args.batch.max_pages_per_seq);
-    need.max_tile_tokens = plan.tile_tokens;
-    if (!step_ || !covers(step_->capacity(), need)) {
+    const StepCapacity need = step_capacity_for(plan, args.batch);
+    if (!step_ || !step_->capacity().covers(need)) {
       step_.reset();
       step_ = std::make_unique<DecodeStep>(need);
     }
@@ -131,21 +117,13 @@ class CudaBackend final : public Backend {
     MJOLNIR_CUDA_CHECK(cudaMemcpyAsync(scales + count, args.cache.v_scale.data(),
                                        count * sizeof(float), cudaMemcpyHostToDevice, stream));
 
-    LaunchShape shape;
-    shape.decode_ctas = plan.num_items;
-    shape.merge_ctas = plan.num_seqs * plan.q_len * args.params.num_q_heads;  // one per query row
-    shape.score_tokens = plan.tile_tokens;
-    // The plan's own slots, which workspace_bytes() sized: capacity_for() reserves exactly the
-    // partials of the step's split sequences, fewer than max_seqs x max_splits when some
-    // sequences are not split (the Python ops failed on exactly that on an H200, 2026-12-04).
-    shape.partial_slots = std::size_t(plan.partial_slots());
-    launch_decode(args, DeviceScales{scales, scales + count}, step_->device_data(), workspace,
-                  shape, stream, layout_limit_);
+    enqueue_planned_decode(args, plan, DeviceScales{scales, scales + count}, *step_, workspace,
+                           stream, kernels_);
     MJOLNIR_CUDA_CHECK(cudaStreamSynchronize(stream));
   }
 
  private:
-  const MmaLayout layout_limit_;  // BackendOptions::cuda_kernels
+  const CudaKernelOptions kernels_;  // BackendOptions::cuda_kernels
   std::string unavailable_;
   int workers_ = 1;
   int wave_workers_ = 0;

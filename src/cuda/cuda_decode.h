@@ -69,7 +69,13 @@ struct StepCapacity {
   int max_items() const { return plan.max_seqs * plan.num_kv_heads * plan.max_splits; }
   int max_merges(int rows) const { return plan.max_seqs * plan.num_kv_heads * rows; }
   std::size_t device_bytes() const;  // of the step buffer
+  // Whether every step that fits `need` fits this capacity (the same KV heads, nothing larger).
+  bool covers(const StepCapacity& need) const;
 };
+
+// The smallest capacity that holds `plan` over `batch`: its sequences (at least the plan's
+// capacity), pages per sequence and tile.
+StepCapacity step_capacity_for(const Plan& plan, const PagedBatch& batch);
 
 // One decode step's plan and batch on the device, in buffers of fixed capacity (one device
 // allocation, one pinned host staging buffer of the same size). Not thread-safe; one per stream.
@@ -96,6 +102,12 @@ class DecodeStep {
   // baked into its launch (0 before): a later upload must keep it.
   int uploaded_q_len() const { return uploaded_q_len_; }
   void lock_q_len(int q_len) const { locked_q_len_ = q_len; }
+  // Uploads so far: a caller that shares the buffer between plans compares it with the count
+  // after its own upload to tell whether another plan has replaced its own since.
+  std::uint64_t uploads() const { return uploads_; }
+  // Whether `plan` has the shape of the plan last uploaded (its sequences, items, partial slots,
+  // q_len and tile): what enqueue_planned_decode() checks before sizing its grids to it.
+  bool holds(const Plan& plan) const;
 
  private:
   StepCapacity capacity_;
@@ -105,6 +117,8 @@ class DecodeStep {
   bool copy_pending_ = false;
   int uploaded_q_len_ = 0;
   mutable int locked_q_len_ = 0;
+  std::uint64_t uploads_ = 0;
+  int uploaded_seqs_ = 0, uploaded_items_ = 0, uploaded_partials_ = 0, uploaded_tile_ = 0;
 };
 
 // Bytes of device workspace enqueue_decode() needs: the split partials of every slot the
@@ -123,6 +137,18 @@ std::size_t decode_workspace_bytes(const StepCapacity& capacity, const CacheGeom
 void enqueue_decode(const DecodeArgs& args, const DeviceScales& scales, const DecodeStep& step,
                     std::span<std::byte> workspace, cudaStream_t stream,
                     const CudaKernelOptions& kernels = {});
+
+// Enqueues the decode of `plan`, the plan last uploaded to `step` (checked: DecodeStep::holds),
+// with grids sized to it: plan.num_items decode CTAs and one merge CTA per query row of its
+// sequences, not the capacity's. For eager calls that run each step's own plan (a serving
+// engine's layers, Backend::run): no allocation, no copy, no synchronization. A graph that
+// captured it would replay the captured plan's grids, so use enqueue_decode() for graphs.
+// `args` must have passed validate() (its batch is the uploaded one; its scales are not read,
+// `scales` are); the workspace holds Backend::workspace_bytes(plan, ...): plan.partial_slots()
+// partials.
+void enqueue_planned_decode(const DecodeArgs& args, const Plan& plan, const DeviceScales& scales,
+                            const DecodeStep& step, std::span<std::byte> workspace,
+                            cudaStream_t stream, const CudaKernelOptions& kernels = {});
 
 // Empty when the kernels run this configuration on the current device, otherwise why not.
 std::string unsupported_reason(const CacheGeometry& geometry, const DecodeParams& params,

@@ -1,4 +1,5 @@
 // Device step buffers, scale copies and the capturable decode launch (cuda_decode.h).
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -52,6 +53,21 @@ std::size_t StepCapacity::device_bytes() const {
   return step_regions(std::size_t(max_items()), std::size_t(plan.max_seqs),
                       std::size_t(plan.max_seqs) * std::size_t(max_pages_per_seq))
       .end;
+}
+
+bool StepCapacity::covers(const StepCapacity& need) const {
+  return plan.max_seqs >= need.plan.max_seqs && plan.num_kv_heads == need.plan.num_kv_heads &&
+         plan.max_splits >= need.plan.max_splits && max_pages_per_seq >= need.max_pages_per_seq &&
+         max_tile_tokens >= need.max_tile_tokens;
+}
+
+StepCapacity step_capacity_for(const Plan& plan, const PagedBatch& batch) {
+  StepCapacity need;
+  need.plan = plan.capacity;
+  need.plan.max_seqs = std::max(plan.capacity.max_seqs, batch.num_seqs());
+  need.max_pages_per_seq = std::max(1, batch.max_pages_per_seq);
+  need.max_tile_tokens = plan.tile_tokens;
+  return need;
 }
 
 DecodeStep::DecodeStep(const StepCapacity& capacity) : capacity_(capacity) {
@@ -154,6 +170,17 @@ void DecodeStep::upload(const PagedBatch& batch, const Plan& plan, const CacheGe
   MJOLNIR_CUDA_CHECK(cudaEventRecord(copied_, stream));
   copy_pending_ = true;
   uploaded_q_len_ = plan.q_len;
+  uploaded_seqs_ = plan.num_seqs;
+  uploaded_items_ = plan.num_items;
+  uploaded_partials_ = plan.num_partials;
+  uploaded_tile_ = plan.tile_tokens;
+  ++uploads_;
+}
+
+bool DecodeStep::holds(const Plan& plan) const {
+  return uploads_ > 0 && plan.num_seqs == uploaded_seqs_ && plan.num_items == uploaded_items_ &&
+         plan.num_partials == uploaded_partials_ && plan.q_len == uploaded_q_len_ &&
+         plan.tile_tokens == uploaded_tile_;
 }
 
 std::size_t decode_workspace_bytes(const StepCapacity& capacity, const CacheGeometry& geometry,
@@ -216,6 +243,42 @@ void enqueue_decode(const DecodeArgs& args, const DeviceScales& scales, const De
   shape.merge_ctas = capacity.max_merges(params.q_len * (params.num_q_heads / geo.num_kv_heads));
   shape.score_tokens = capacity.max_tile_tokens;
   shape.partial_slots = std::size_t(max_seqs) * capacity.plan.max_splits;
+  launch_decode(args, scales, step.device_data(), workspace, shape, stream,
+                mma_layout_limit(kernels));
+}
+
+void enqueue_planned_decode(const DecodeArgs& args, const Plan& plan, const DeviceScales& scales,
+                            const DecodeStep& step, std::span<std::byte> workspace,
+                            cudaStream_t stream, const CudaKernelOptions& kernels) {
+  MJOLNIR_REQUIRE(step.holds(plan), "plan: not the plan last uploaded to the step buffer (",
+                  plan.num_seqs, " sequences, ", plan.num_items,
+                  " items); upload it first (DecodeStep::upload)");
+  MJOLNIR_REQUIRE(args.params.q_len == plan.q_len, "params.q_len: ", args.params.q_len,
+                  " differs from the plan's ", plan.q_len);
+  MJOLNIR_REQUIRE(args.batch.num_seqs() == plan.num_seqs, "batch: ", args.batch.num_seqs(),
+                  " sequences, the plan was made for ", plan.num_seqs);
+  MJOLNIR_REQUIRE(scales.k != nullptr && scales.v != nullptr, "scales: null device pointer");
+  require_float32_rows(args);
+  const CacheGeometry& geo = args.cache.geometry;
+  MJOLNIR_REQUIRE(geo.num_kv_heads == step.capacity().plan.num_kv_heads,
+                  "cache.geometry.num_kv_heads: ", geo.num_kv_heads,
+                  " differs from the step capacity's ", step.capacity().plan.num_kv_heads);
+  const int g = args.params.num_q_heads / geo.num_kv_heads;
+  const PartialLayout layout{geo.num_kv_heads, plan.q_len * g, geo.head_dim};
+  const int slots = plan.partial_slots();
+  const std::size_t needed = (layout.o_floats(slots) + layout.lse_floats(slots)) * sizeof(float);
+  MJOLNIR_REQUIRE(workspace.size() >= needed, "workspace: ", workspace.size(),
+                  " bytes, the plan needs ", needed);
+  if (plan.num_items == 0) return;
+
+  LaunchShape shape;
+  shape.decode_ctas = plan.num_items;
+  shape.merge_ctas = plan.num_seqs * plan.q_len * args.params.num_q_heads;  // one per query row
+  shape.score_tokens = plan.tile_tokens;
+  // The plan's own slots: capacity_for() reserves exactly the partials of the step's split
+  // sequences, fewer than max_seqs x max_splits when some sequences are not split (the Python
+  // ops failed on exactly that on an H200, 2026-12-04).
+  shape.partial_slots = std::size_t(slots);
   launch_decode(args, scales, step.device_data(), workspace, shape, stream,
                 mma_layout_limit(kernels));
 }

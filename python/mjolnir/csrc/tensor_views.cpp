@@ -300,7 +300,7 @@ void check_same_device(const at::Tensor& t, std::string_view name, const at::Ten
 
 CacheTensor cache_tensor(const at::Tensor& kv_cache, std::string_view kv_format,
                          std::string_view layout, int head_dim, const at::Tensor& k_scale,
-                         const at::Tensor& v_scale) {
+                         const at::Tensor& v_scale, bool leave_device_scales) {
   const Format format = with_op_errors([&] { return parse_format(kv_format, "kv_format"); });
   const std::string dims =
       with_op_errors([&] { return std::string(to_string(parse_layout(layout, "layout"))); });
@@ -346,8 +346,20 @@ CacheTensor cache_tensor(const at::Tensor& kv_cache, std::string_view kv_format,
   }
 
   CacheTensor out;
-  const std::span<const float> ks = host_floats(k_scale, "k_scale", out.k_scale);
-  const std::span<const float> vs = host_floats(v_scale, "v_scale", out.v_scale);
+  std::span<const float> ks, vs;
+  if (leave_device_scales && k_scale.is_cuda() && v_scale.is_cuda()) {
+    for (const auto& [t, name] : {std::pair{&k_scale, "k_scale"}, std::pair{&v_scale, "v_scale"}}) {
+      if (!at::isFloatingType(t->scalar_type())) {
+        fail(name, ": expected a float tensor, got ", dtype_name(t->scalar_type()));
+      }
+    }
+    out.unread_scales.assign(std::size_t(std::max(k_scale.numel(), v_scale.numel())), 1.0f);
+    ks = {out.unread_scales.data(), std::size_t(k_scale.numel())};
+    vs = {out.unread_scales.data(), std::size_t(v_scale.numel())};
+  } else {
+    ks = host_floats(k_scale, "k_scale", out.k_scale);
+    vs = host_floats(v_scale, "v_scale", out.v_scale);
+  }
   const std::int64_t hk = size[int('H')];
   const std::int64_t count = std::int64_t(ks.size());
   // Later entries win where counts coincide (Hk = 1), as the Python ops decided it.

@@ -33,14 +33,19 @@ decltype(auto) with_op_errors(F&& fn);
 
 // The paged cache: a 5-D tensor whose dimensions follow `layout` ("2BNHD" = [2, blocks,
 // block_size, Hk, row]), the last holding one token's packed row of head_dim channels, with the
-// scales [1], [Hk] or [Hk * D] (float, any device: they are read on the host).
+// scales [1], [Hk] or [Hk * D] (float, any device: they are read on the host). With
+// `leave_device_scales`, scales on a CUDA device are not read (reading them would wait for the
+// device): their count gives the granularity, the view's spans hold ones in their place (for
+// the checks that need values), and the device kernels read the tensors themselves, so their
+// values are not checked.
 struct CacheTensor {
   KvCacheView view;
-  at::Tensor k_scale, v_scale;  // host float32 copies the view's spans point into, if made
+  at::Tensor k_scale, v_scale;       // host float32 copies the view's spans point into, if made
+  std::vector<float> unread_scales;  // the ones standing in for device scales left unread
 };
 CacheTensor cache_tensor(const at::Tensor& kv_cache, std::string_view kv_format,
                          std::string_view layout, int head_dim, const at::Tensor& k_scale,
-                         const at::Tensor& v_scale);
+                         const at::Tensor& v_scale, bool leave_device_scales = false);
 
 // Q / O / K / V rows [num_tokens, heads, head_size] in float32, bfloat16 or float16 with the
 // head size contiguous; `expect_heads` > 0 also checks the head count.

@@ -19,11 +19,14 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "mjolnir/decode.h"
@@ -36,6 +39,10 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include "cuda/cuda_decode.h"
+#else
+namespace mjolnir::cuda {
+class DecodeStep;  // a device step buffer (cuda/cuda_decode.h), only held here
+}
 #endif
 
 namespace mjolnir::python {
@@ -164,31 +171,120 @@ class CallWorkspace {
   std::unique_ptr<std::byte[]> buffer_;
 };
 
+// Which shared buffer holds a plan's upload, and what it was checked against.
+struct DeviceUpload {
+  std::shared_ptr<cuda::DecodeStep> buffer;
+  std::uint64_t uploads = 0;         // the buffer's upload count right after this plan's upload
+  int page_size = 0, num_pages = 0;  // the cache geometry the batch was validated against
+};
+
 #if MJOLNIR_PY_CUDA
-// The library's CUDA backend runs on the legacy default stream and waits for itself: the
-// caller's work on torch's current stream must be done first.
-void wait_for_torch(const at::Device& device) {
-  c10::cuda::getCurrentCUDAStream(device.index()).synchronize();
+// --- the device path: enqueued on torch's current stream, never waited for ---------------------
+
+// The device step buffer (cuda::DecodeStep: the plan and batch the kernels read) that every plan
+// run on one (device, stream, KV heads) shares. One costs a device allocation and pinned host
+// memory, too much to make for every engine step; it grows, never shrinks. Each plan is
+// uploaded before its first layer and again only when another plan was uploaded since (the
+// upload count tells), so the layers of a step launch their kernels and nothing else. The
+// uploads and launches of one stream are ordered by it: a buffer is rewritten only after the
+// kernels enqueued before the rewrite have read it.
+class SharedDeviceSteps {
+ public:
+  // The buffer for `need` on this stream, grown (to twice the sequences and pages asked for, so
+  // that a growing batch reallocates a few times, not every step) when it does not cover it.
+  // The caller holds lock() while it uploads and launches.
+  static std::shared_ptr<cuda::DecodeStep> at_least(int device, cudaStream_t stream,
+                                                    const cuda::StepCapacity& need) {
+    auto& buffer = buffers()[{device, stream, need.plan.num_kv_heads}];
+    if (!buffer || !buffer->capacity().covers(need)) {
+      cuda::StepCapacity grown = need;
+      if (buffer) {
+        const cuda::StepCapacity& had = buffer->capacity();
+        grown.plan.max_seqs = std::max(2 * need.plan.max_seqs, had.plan.max_seqs);
+        grown.plan.max_splits = std::max(need.plan.max_splits, had.plan.max_splits);
+        grown.max_pages_per_seq = std::max(2 * need.max_pages_per_seq, had.max_pages_per_seq);
+        grown.max_tile_tokens = std::max(need.max_tile_tokens, had.max_tile_tokens);
+      }
+      // A buffer the steps of earlier layers still hold is freed when the last of them goes;
+      // cudaFree waits for the kernels that read it.
+      buffer = std::make_shared<cuda::DecodeStep>(grown);
+    }
+    return buffer;
+  }
+  static std::mutex& lock() {
+    static std::mutex m;
+    return m;
+  }
+
+ private:
+  using Key = std::tuple<int, cudaStream_t, int>;
+  static std::map<Key, std::shared_ptr<cuda::DecodeStep>>& buffers() {
+    static std::map<Key, std::shared_ptr<cuda::DecodeStep>> b;
+    return b;
+  }
+};
+
+// A [count] float32 tensor of scales on `device`: the tensor itself when it already is one (a
+// serving engine's device scales), else a copy (from host memory that copy waits for the
+// stream: pass device scales to avoid it).
+at::Tensor device_scales(const at::Tensor& t, const at::Device& device) {
+  return t.detach().reshape({-1}).to(device, at::kFloat).contiguous();
+}
+
+// Runs a validated step's plan for one layer on torch's current stream of `device`: uploads
+// the plan and batch unless the shared buffer still holds them, and launches the decode and
+// merge kernels with grids sized to the plan. Returns without waiting for them. The workspace
+// comes from torch's caching allocator, which orders its reuse by the stream.
+void enqueue_on_device(const Backend& backend, const DecodeArgs& args, const BackendPlan& planned,
+                       const at::Tensor& k_scale, const at::Tensor& v_scale,
+                       const at::Device& device, DeviceUpload& upload) {
+  const Plan& plan = planned.plan();
+  const CacheGeometry& geo = args.cache.geometry;
+  const at::Tensor ks = device_scales(k_scale, device);
+  const at::Tensor vs = device_scales(v_scale, device);
+  const std::size_t bytes = with_op_errors([&] {
+    MJOLNIR_REQUIRE(planned.planned_by() == backend.name(), "plan: planned by backend '",
+                    planned.planned_by(), "', run on '", backend.name(), "'");
+    check_plan(plan, args);
+    const std::string why = cuda::unsupported_reason(geo, args.params, plan.tile_tokens);
+    MJOLNIR_REQUIRE(why.empty(), "backend cuda: ", why);
+    return backend.workspace_bytes(plan, geo, args.params);
+  });
+  const at::Tensor workspace = at::empty({std::int64_t(std::max<std::size_t>(bytes, 1))},
+                                         at::TensorOptions().dtype(at::kByte).device(device));
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
+  static const CudaKernelOptions kernels =
+      with_op_errors([] { return cuda_kernel_options_from_environment(); });
+  std::lock_guard lock(SharedDeviceSteps::lock());
+  with_op_errors([&] {
+    const cuda::StepCapacity need = cuda::step_capacity_for(plan, args.batch);
+    std::shared_ptr<cuda::DecodeStep> buffer =
+        SharedDeviceSteps::at_least(device.index(), stream, need);
+    if (buffer != upload.buffer || buffer->uploads() != upload.uploads ||
+        geo.page_size != upload.page_size || geo.num_pages != upload.num_pages) {
+      buffer->upload(args.batch, plan, geo, stream);
+      upload = DeviceUpload{buffer, buffer->uploads(), geo.page_size, geo.num_pages};
+    }
+    cuda::enqueue_planned_decode(
+        args, plan, cuda::DeviceScales{ks.const_data_ptr<float>(), vs.const_data_ptr<float>()},
+        *buffer, {static_cast<std::byte*>(workspace.data_ptr()), bytes}, stream, kernels);
+  });
 }
 #endif
 
-// Runs a validated step with a plan made for it, on the host or the device.
+// Runs a validated step with a plan made for it: on the host, or enqueued on the device
+// (`upload` keeps the plan's place in the device's shared step buffer between layers).
 void run_planned(const Backend& backend, const DecodeArgs& args, const BackendPlan& plan,
-                 std::span<std::byte> host_workspace, const at::Device& device) {
+                 std::span<std::byte> host_workspace, const at::Device& device,
+                 const at::Tensor& k_scale, const at::Tensor& v_scale,
+                 [[maybe_unused]] DeviceUpload* upload) {
   if (device.is_cpu()) {
     with_op_errors([&] { backend.run(args, plan, host_workspace); });
     return;
   }
 #if MJOLNIR_PY_CUDA
-  const std::size_t bytes = with_op_errors(
-      [&] { return backend.workspace_bytes(plan.plan(), args.cache.geometry, args.params); });
-  const at::Tensor workspace = at::empty({std::int64_t(std::max<std::size_t>(bytes, 1))},
-                                         at::TensorOptions().dtype(at::kByte).device(device));
-  wait_for_torch(device);
-  with_op_errors([&] {
-    backend.run(args, plan,
-                {static_cast<std::byte*>(workspace.data_ptr()), std::size_t(workspace.numel())});
-  });
+  DeviceUpload once;
+  enqueue_on_device(backend, args, plan, k_scale, v_scale, device, upload ? *upload : once);
 #else
   raise_value_error("q: on " + device.str() + ", but this build of mjolnir has no CUDA backend");
 #endif
@@ -207,8 +303,9 @@ void decode_step(at::Tensor& output, const at::Tensor& q, const at::Tensor& kv_c
   const std::int64_t num_tokens = q.size(0), num_q_heads = q.size(1), head_dim = q.size(2);
   check_head_dim(head_dim, "q");
   check_same_device(kv_cache, "kv_cache", q, "q");
-  const CacheTensor cache =
-      cache_tensor(kv_cache, kv_format, layout, int(head_dim), k_scale, v_scale);
+  // On a device the kernels read the scales where they are (no wait for the device here).
+  const CacheTensor cache = cache_tensor(kv_cache, kv_format, layout, int(head_dim), k_scale,
+                                         v_scale, /*leave_device_scales=*/q.is_cuda());
   const StepTensors step = step_tensors(block_table, seq_lens, query_start);
   const std::int64_t num_seqs = step.seq_lens.numel();
   if (!step.query_start.defined() && num_tokens != num_seqs * q_len) {
@@ -262,7 +359,7 @@ void decode_step(at::Tensor& output, const at::Tensor& q, const at::Tensor& kv_c
   CallWorkspace workspace(
       q.device().is_cpu() ? backend.workspace_bytes(plan.plan(), args.cache.geometry, args.params)
                           : 0);
-  run_planned(backend, args, plan, workspace.span(), q.device());
+  run_planned(backend, args, plan, workspace.span(), q.device(), k_scale, v_scale, nullptr);
   finish_rows_out(output, num_tokens, o_rows);
   scratch.release();
 }
@@ -437,8 +534,8 @@ class Step final : public torch::CustomClassHolder {
     const std::int64_t head_dim = q.size(2);
     check_head_dim(head_dim, "q");
     if (rows_ == 0) return;
-    const CacheTensor cache =
-        cache_tensor(kv_cache, kv_format, layout, int(head_dim), k_scale, v_scale);
+    const CacheTensor cache = cache_tensor(kv_cache, kv_format, layout, int(head_dim), k_scale,
+                                           v_scale, /*leave_device_scales=*/q.is_cuda());
     // Only the step's rows: vLLM pads its query and output tensors past them. The step keeps
     // its conversion buffers for every layer (a prompt's rows are tens of MiB: allocating them
     // per layer cost their page faults each time), and frees them with itself.
@@ -471,7 +568,7 @@ class Step final : public torch::CustomClassHolder {
       }
       workspace = {workspace_.get(), bytes};
     }
-    run_planned(*backend_, args, plan_, workspace, q.device());
+    run_planned(*backend_, args, plan_, workspace, q.device(), k_scale, v_scale, &upload_);
     finish_rows_out(output, rows_, o_rows);
   }
 
@@ -516,7 +613,8 @@ class Step final : public torch::CustomClassHolder {
   std::int64_t rows_ = 0;
   std::unique_ptr<std::byte[]> workspace_;
   std::size_t workspace_capacity_ = 0;
-  RowScratch scratch_;  // q and o rows converted to float32, reused by every layer
+  RowScratch scratch_;   // q and o rows converted to float32, reused by every layer
+  DeviceUpload upload_;  // a device step: where its plan was uploaded (SharedDeviceSteps)
 };
 
 c10::intrusive_ptr<Step> plan_step(const at::Tensor& seq_lens, const at::Tensor& block_table,
