@@ -198,8 +198,8 @@ def config_env(name: str) -> tuple[dict, str, bool]:
         return {"MJOLNIR_ATTN_DISABLE": "1"}, "auto", False
     if name == "stock-fp8":
         return {"MJOLNIR_ATTN_DISABLE": "1"}, "fp8", False
-    if name == "bf16":
-        return {}, "auto", True
+    if name == "bf16":  # mjolnir's bf16 on every CPU (with AMX it is vLLM's by default)
+        return {"MJOLNIR_ATTN_OWN_BF16": "1"}, "auto", True
     if name == "fp8_e4m3":
         return {}, "fp8", True
     if name == "fp8_e5m2":

@@ -111,6 +111,24 @@ def index_layers(vllm_config, config: AttnConfig) -> None:
     _LAYER_INDEX.update((name, i) for i, name in enumerate(names))
 
 
+def amx_bf16_reason(config: AttnConfig, block_size: int) -> Optional[str]:
+    """Why a bf16 cache stays vLLM's, or None. vLLM runs a bf16 model's CPU attention on AMX
+    tiles where the CPU has them and blocks hold a multiple of 32 tokens (its _get_attn_isa);
+    there its kernel decoded a cache that fits the last-level cache 2-3x faster than mjolnir's,
+    and was level with it from memory (docs/vllm.md, Intel Xeon): mjolnir brings nothing to
+    such a layer but its other formats. MJOLNIR_ATTN_OWN_BF16=1 takes the layer anyway, 0
+    never does; recording amax (MJOLNIR_ATTN_KV_CALIBRATE) needs mjolnir's cache write, so it
+    takes the layer too."""
+    if config.own_bf16 == "1" or config.kv_calibrate:
+        return None
+    if config.own_bf16 == "0":
+        return "bf16 cache with MJOLNIR_ATTN_OWN_BF16=0"
+    if block_size % 32 == 0 and torch.cpu._is_amx_tile_supported():
+        return ("bf16 cache on a CPU with AMX, where vLLM's own AMX kernel is faster "
+                "(MJOLNIR_ATTN_OWN_BF16=1 takes it anyway)")
+    return None
+
+
 def spec_probe(spec) -> torch.Tensor:
     """A meta tensor shaped as the cache vLLM allocates from `spec`."""
     return torch.empty((1, spec.num_kv_heads, spec.block_size, spec.head_size + spec.head_size_v),
@@ -173,15 +191,20 @@ class MjolnirCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         self.config = AttnConfig.from_env()
         index_layers(vllm_config, self.config)
         owned = sum(r is None for r in reasons)
-        fmt = impls[0].mjolnir_format(probe) if owned else None
+        self.mjolnir_owned = owned  # no plan is made for a group whose layers are all vLLM's
+        others = sorted(set(r for r in reasons if r))
+        if not owned:
+            logger.info("mjolnir: none of the %d attention layers run on mjolnir; they stay "
+                        "vLLM's: %s", len(impls), others)
+            return
+        fmt = impls[0].mjolnir_format(probe)
         modes = describe_modes(self.config, fmt, impls[0].head_size,
                                impls[0].num_heads // impls[0].num_kv_heads,
-                               vllm_config.model_config.dtype) if owned else "-"
+                               vllm_config.model_config.dtype)
         logger.info(
             "mjolnir: %d of %d attention layers run on mjolnir (format %s, %s, threads %s)%s",
             owned, len(impls), fmt, modes, self.config.threads or "torch's",
-            "" if owned == len(impls) else
-            f"; the others stay vLLM's: {sorted(set(r for r in reasons if r))}")
+            "" if owned == len(impls) else f"; the others stay vLLM's: {others}")
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
         if self.mjolnir_only:
@@ -203,7 +226,8 @@ class MjolnirCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
             meta = super().build(common_prefix_len, common_attn_metadata, fast_build)
         meta = MjolnirCPUAttentionMetadata(
             **{f.name: getattr(meta, f.name) for f in dataclasses.fields(meta)})
-        if meta.dynamic_causal is None:  # per-request causality is the PyTorch path's
+        # Per-request causality is the PyTorch path's; a group of vLLM's layers needs no plan.
+        if meta.dynamic_causal is None and self.mjolnir_owned:
             meta.mjolnir_step = plan_step(meta, self.num_heads, self.num_kv_heads, self.config)
         return meta
 
@@ -267,6 +291,10 @@ class MjolnirCPUAttentionImpl(CPUAttentionBackendImpl):
         fmt = self.mjolnir_format(kv_cache)
         if fmt is None:
             return f"KV cache dtype {self.kv_cache_dtype} / {kv_cache.dtype}"
+        if fmt == "bf16" and kv_cache.dim() == 4:
+            why = amx_bf16_reason(self._config(), kv_cache.shape[2])
+            if why is not None:
+                return why
         dtype, row = cache_dtype_and_row(fmt, self.head_size)
         if kv_cache.dim() != 4 or kv_cache.shape[-1] != 2 * row or kv_cache.dtype != dtype:
             return (f"cache shape {tuple(kv_cache.shape)} / dtype {kv_cache.dtype}, where "

@@ -45,6 +45,12 @@ def test_register_overrides_cpu_attn(monkeypatch):
     assert not AttentionBackendEnum.CPU_ATTN.is_overridden()
 
 
+# The plugin's settings with its bf16 layers on mjolnir on every CPU: by default a CPU with AMX
+# leaves them to vLLM's AMX kernel (test_bf16_stays_vllms_where_vllm_runs_amx), and these tests
+# are of mjolnir's path.
+OWN_BF16 = AttnConfig(own_bf16="1")
+
+
 def make_impl(num_heads, num_kv_heads, head_size, config):
     """The impl without vLLM's engine config (its __init__ reads the current VllmConfig): the
     fields forward() uses, as CPUAttentionBackendImpl.__init__ sets them."""
@@ -149,7 +155,7 @@ def test_forward_matches_vllm_kernel(vllm_ops, gen, dtype, q_lens):
     attention, as vLLM's own kernel on its own cache is."""
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
     hq, d = 8, 64
-    impl = make_impl(hq, 2, d, AttnConfig())
+    impl = make_impl(hq, 2, d, OWN_BF16)
     step = Step(vllm_ops, gen, impl, dtype, q_lens)
     assert impl.owner_reason(step.ours) is None
     ours = torch.full((sum(q_lens), hq * d), float("nan"), dtype=dtype)
@@ -172,7 +178,7 @@ def test_per_request_causality_takes_the_pytorch_path(vllm_ops, gen):
     """vLLM's dynamic_causal (a causal flag per request) is the one step mjolnir does not plan:
     the PyTorch path runs it (the causal request matching mjolnir's own result), or, with
     MJOLNIR_ATTN_FALLBACK=0, it raises."""
-    impl = make_impl(8, 2, 64, AttnConfig())
+    impl = make_impl(8, 2, 64, OWN_BF16)
     step = Step(vllm_ops, gen, impl, torch.bfloat16, [3, 5])
     planned = torch.empty(8, 8 * 64, dtype=torch.bfloat16)
     impl.forward(step.layer, step.query, None, None, step.ours, step.meta, planned)
@@ -184,13 +190,13 @@ def test_per_request_causality_takes_the_pytorch_path(vllm_ops, gen):
     assert type(impl).fallback_steps == torch_steps + 1
     assert (out[:3].float() - planned[:3].float()).abs().max() < 2e-2
     assert torch.isfinite(out[3:].float()).all()
-    strict = make_impl(8, 2, 64, AttnConfig(fallback=False))
+    strict = make_impl(8, 2, 64, AttnConfig(fallback=False, own_bf16="1"))
     with pytest.raises(NotImplementedError, match="per-request causality"):
         strict.forward(step.layer, step.query, None, None, step.ours, step.meta, out)
 
 
 def test_layers_mjolnir_does_not_take(vllm_ops):
-    impl = make_impl(4, 2, 64, AttnConfig())
+    impl = make_impl(4, 2, 64, OWN_BF16)
     cache = torch.zeros(4, 2, 32, 128, dtype=torch.bfloat16)
     assert impl.owner_reason(cache) is None
     assert "KV cache dtype" in impl.owner_reason(cache.float())
@@ -199,10 +205,34 @@ def test_layers_mjolnir_does_not_take(vllm_ops):
     assert impl.owner_reason(cache) == "sliding window"
 
 
+@pytest.mark.parametrize("amx", [False, True])
+def test_bf16_stays_vllms_where_vllm_runs_amx(monkeypatch, amx):
+    """By default a bf16 cache stays vLLM's on a CPU with AMX when its blocks are a multiple of
+    32 tokens (where vLLM runs its AMX kernel), saying why; everywhere else, with
+    MJOLNIR_ATTN_OWN_BF16=1, or while recording amax, mjolnir takes it. fp16 and low-bit caches
+    are mjolnir's either way; MJOLNIR_ATTN_OWN_BF16=0 leaves bf16 to vLLM on any CPU."""
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    bf16 = torch.zeros(4, 2, 32, 128, dtype=torch.bfloat16)
+    why = make_impl(4, 2, 64, AttnConfig()).owner_reason(bf16)
+    if amx:
+        assert "bf16 cache on a CPU with AMX" in why and "MJOLNIR_ATTN_OWN_BF16=1" in why
+    else:
+        assert why is None
+    assert make_impl(4, 2, 64, AttnConfig()).owner_reason(
+        torch.zeros(4, 2, 16, 128, dtype=torch.bfloat16)) is None  # vLLM's vec16 there
+    assert make_impl(4, 2, 64, AttnConfig()).owner_reason(bf16.half()) is None
+    assert make_impl(4, 2, 64, OWN_BF16).owner_reason(bf16) is None
+    assert make_impl(4, 2, 64, AttnConfig(kv_calibrate="amax.json")).owner_reason(bf16) is None
+    assert "OWN_BF16=0" in make_impl(4, 2, 64, AttnConfig(own_bf16="0")).owner_reason(bf16)
+    fp8 = make_impl(4, 2, 64, AttnConfig())
+    fp8.kv_cache_dtype = "fp8"
+    assert fp8.owner_reason(torch.zeros(4, 2, 32, 128, dtype=torch.uint8)) is None
+
+
 def test_non_finite_kv_does_not_end_the_engine(vllm_ops, gen):
     """A request whose K/V holds NaN or Inf: the write goes through (Inf saturated, NaN as 0),
     is counted, and the other tokens of the batch are stored as they are."""
-    impl = make_impl(4, 2, 64, AttnConfig())
+    impl = make_impl(4, 2, 64, OWN_BF16)
     cache = torch.zeros(4, 2, 32, 128, dtype=torch.bfloat16)
     layer = types.SimpleNamespace(isa="vec", _k_scale_float=1.0, _v_scale_float=1.0,
                                   layer_name="model.layers.0.self_attn.attn")
