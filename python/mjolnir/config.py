@@ -69,9 +69,10 @@ def _path(env: Mapping[str, str], name: str, flag_default: str = "") -> str:
     return value
 
 
-# Whether the CPU plugin takes bf16 caches (MJOLNIR_ATTN_OWN_BF16): "auto" leaves them to vLLM's
-# own kernel where that kernel runs on AMX tiles (vllm_backend.amx_bf16_reason).
-OWN_BF16 = ("auto", "1", "0")
+# Who runs, on a CPU where vLLM's attention runs on AMX tiles, the caches vLLM runs itself (bf16,
+# and its fp8 without a scales file): "vllm" or "mjolnir" (MJOLNIR_ATTN_ON_AMX;
+# vllm_backend.vllm_amx_reason).
+ON_AMX = ("vllm", "mjolnir")
 
 # The vLLM GPU backends the GPU backend can subclass (MJOLNIR_ATTN_GPU_BASE).
 GPU_BASES = ("flash_attn", "flashinfer")
@@ -103,7 +104,7 @@ class AttnConfig:
     kv_format: str = ""  # MJOLNIR_ATTN_KV_FORMAT: the cache's format, "" = vLLM's kv_cache_dtype
     kv_scales: str = ""  # MJOLNIR_ATTN_KV_SCALES: a scales file (python -m mjolnir.calibrate)
     kv_calibrate: str = ""  # MJOLNIR_ATTN_KV_CALIBRATE: record amax to this file (1: the default)
-    own_bf16: str = "auto"  # MJOLNIR_ATTN_OWN_BF16: auto | 1 | 0, bf16 caches on mjolnir (CPU)
+    on_amx: str = "vllm"  # MJOLNIR_ATTN_ON_AMX: vllm | mjolnir, caches vLLM runs on AMX (CPU)
     # GPU backend only (vllm_gpu_backend.py): the vLLM backend it subclasses and falls back to,
     # flash_attn | flashinfer, and the longest uniform query of a decode step it runs (1-8).
     gpu_base: str = "flash_attn"  # MJOLNIR_ATTN_GPU_BASE
@@ -122,7 +123,7 @@ class AttnConfig:
             kv_format=_format(env, "MJOLNIR_ATTN_KV_FORMAT"),
             kv_scales=_path(env, "MJOLNIR_ATTN_KV_SCALES"),
             kv_calibrate=_path(env, "MJOLNIR_ATTN_KV_CALIBRATE", DEFAULT_AMAX_FILE),
-            own_bf16=_choice(env, "MJOLNIR_ATTN_OWN_BF16", OWN_BF16, "auto"),
+            on_amx=_choice(env, "MJOLNIR_ATTN_ON_AMX", ON_AMX, "vllm"),
             gpu_base=_choice(env, "MJOLNIR_ATTN_GPU_BASE", GPU_BASES, "flash_attn"),
             max_qlen=_int(env, "MJOLNIR_ATTN_MAX_QLEN", 1, 1, 8),
         )
@@ -139,7 +140,7 @@ ENV_VARS = (
     "MJOLNIR_ATTN_KV_FORMAT",
     "MJOLNIR_ATTN_KV_SCALES",
     "MJOLNIR_ATTN_KV_CALIBRATE",
-    "MJOLNIR_ATTN_OWN_BF16",
+    "MJOLNIR_ATTN_ON_AMX",
     "MJOLNIR_ATTN_GPU_BASE",
     "MJOLNIR_ATTN_MAX_QLEN",
 )

@@ -22,7 +22,7 @@ import logging
 from typing import Any, Optional
 
 import torch
-from vllm.config import get_layers_from_vllm_config
+from vllm.config import get_current_vllm_config, get_layers_from_vllm_config
 from vllm.model_executor.layers.attention import Attention
 from vllm.v1.attention.backend import AttentionMetadataBuilder
 from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttentionBackendImpl,
@@ -111,22 +111,27 @@ def index_layers(vllm_config, config: AttnConfig) -> None:
     _LAYER_INDEX.update((name, i) for i, name in enumerate(names))
 
 
-def amx_bf16_reason(config: AttnConfig, block_size: int) -> Optional[str]:
-    """Why a bf16 cache stays vLLM's, or None. vLLM runs a bf16 model's CPU attention on AMX
-    tiles where the CPU has them and blocks hold a multiple of 32 tokens (its _get_attn_isa);
-    there its kernel decoded a cache that fits the last-level cache 2-3x faster than mjolnir's,
-    and was level with it from memory (docs/vllm.md, Intel Xeon): mjolnir brings nothing to
-    such a layer but its other formats. MJOLNIR_ATTN_OWN_BF16=1 takes the layer anyway, 0
-    never does; recording amax (MJOLNIR_ATTN_KV_CALIBRATE) needs mjolnir's cache write, so it
-    takes the layer too."""
-    if config.own_bf16 == "1" or config.kv_calibrate:
+def vllm_amx_reason(config: AttnConfig, fmt: str, kv_cache_dtype: str, block_size: int,
+                    model_dtype: Optional[torch.dtype]) -> Optional[str]:
+    """Why a layer stays vLLM's on a CPU where vLLM's attention runs on AMX tiles, or None.
+    vLLM picks its AMX kernel for a bf16 model whose blocks hold a multiple of 32 tokens
+    (its _get_attn_isa), and runs it over bf16 caches and its own fp8 ones. There, on an Intel
+    Xeon, it decoded 1.0-1.5x faster than mjolnir over bf16 and 1.25-1.35x over fp8, with
+    prompts' attention as fast or faster (docs/vllm.md): such a layer is better left to it
+    unless mjolnir brings what vLLM lacks, a calibrated scales file (MJOLNIR_ATTN_KV_SCALES) or
+    one of its own formats (MJOLNIR_ATTN_KV_FORMAT). MJOLNIR_ATTN_ON_AMX=mjolnir takes the layer
+    anyway; recording amax (MJOLNIR_ATTN_KV_CALIBRATE) needs mjolnir's cache write, so it takes
+    it too."""
+    if config.on_amx == "mjolnir" or config.kv_calibrate or config.kv_format:
         return None
-    if config.own_bf16 == "0":
-        return "bf16 cache with MJOLNIR_ATTN_OWN_BF16=0"
-    if block_size % 32 == 0 and torch.cpu._is_amx_tile_supported():
-        return ("bf16 cache on a CPU with AMX, where vLLM's own AMX kernel is faster "
-                "(MJOLNIR_ATTN_OWN_BF16=1 takes it anyway)")
-    return None
+    vllm_runs_it = fmt == "bf16" or (kv_cache_dtype in _KV_DTYPE_FORMAT and not config.kv_scales)
+    bf16_model = fmt == "bf16" or model_dtype == torch.bfloat16
+    if not (vllm_runs_it and bf16_model and block_size % 32 == 0):
+        return None
+    if not torch.cpu._is_amx_tile_supported():
+        return None
+    return (f"{fmt} cache on a CPU with AMX, where vLLM's own AMX kernel is faster "
+            "(MJOLNIR_ATTN_ON_AMX=mjolnir takes it anyway)")
 
 
 def spec_probe(spec) -> torch.Tensor:
@@ -271,6 +276,13 @@ class MjolnirCPUAttentionImpl(CPUAttentionBackendImpl):
     nonfinite_writes = 0  # cache writes whose K/V held NaN or Inf
     last_fallback_reason: Optional[str] = None
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # The model's dtype decides which kernel vLLM would run (vllm_amx_reason); vLLM's own
+        # __init__ reads the same config.
+        model_config = get_current_vllm_config().model_config
+        self.mjolnir_model_dtype = model_config.dtype if model_config is not None else None
+
     def _config(self) -> AttnConfig:
         if self.mjolnir_config is None:
             self.mjolnir_config = AttnConfig.from_env()
@@ -291,8 +303,9 @@ class MjolnirCPUAttentionImpl(CPUAttentionBackendImpl):
         fmt = self.mjolnir_format(kv_cache)
         if fmt is None:
             return f"KV cache dtype {self.kv_cache_dtype} / {kv_cache.dtype}"
-        if fmt == "bf16" and kv_cache.dim() == 4:
-            why = amx_bf16_reason(self._config(), kv_cache.shape[2])
+        if kv_cache.dim() == 4:
+            why = vllm_amx_reason(self._config(), fmt, self.kv_cache_dtype, kv_cache.shape[2],
+                                  self.__dict__.get("mjolnir_model_dtype"))
             if why is not None:
                 return why
         dtype, row = cache_dtype_and_row(fmt, self.head_size)

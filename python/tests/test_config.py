@@ -14,7 +14,7 @@ def test_defaults():
     assert AttnConfig.from_env({}) == AttnConfig()
     c = AttnConfig()
     assert (c.disable, c.fallback, c.q_dtype, c.p_dtype, c.max_splits, c.threads, c.kv_format,
-            c.own_bf16) == (False, True, "auto", "auto", 16, 0, "", "auto")
+            c.on_amx) == (False, True, "auto", "auto", 16, 0, "", "vllm")
 
 
 def test_values():
@@ -22,12 +22,12 @@ def test_values():
            "MJOLNIR_ATTN_Q_DTYPE": "FP8", "MJOLNIR_ATTN_P_DTYPE": "bf16",
            "MJOLNIR_ATTN_MAX_SPLITS": "32", "MJOLNIR_ATTN_THREADS": "3",
            "MJOLNIR_ATTN_KV_FORMAT": "FP4_E2M1", "MJOLNIR_ATTN_KV_SCALES": "s.json",
-           "MJOLNIR_ATTN_KV_CALIBRATE": "yes", "MJOLNIR_ATTN_OWN_BF16": "1",
+           "MJOLNIR_ATTN_KV_CALIBRATE": "yes", "MJOLNIR_ATTN_ON_AMX": "MJOLNIR",
            "MJOLNIR_ATTN_GPU_BASE": "FlashInfer", "MJOLNIR_ATTN_MAX_QLEN": "4"}
     assert AttnConfig.from_env(env) == AttnConfig(
         disable=True, fallback=False, q_dtype="fp8", p_dtype="bf16", max_splits=32, threads=3,
         kv_format="fp4_e2m1", kv_scales="s.json", kv_calibrate="mjolnir-kv-amax.json",
-        own_bf16="1", gpu_base="flashinfer", max_qlen=4)
+        on_amx="mjolnir", gpu_base="flashinfer", max_qlen=4)
     assert AttnConfig.from_env({"MJOLNIR_ATTN_KV_CALIBRATE": "run/a.json"}).kv_calibrate == \
         "run/a.json"
     assert AttnConfig.from_env({"MJOLNIR_ATTN_KV_CALIBRATE": "0"}).kv_calibrate == ""
@@ -42,7 +42,7 @@ def test_values():
     ("MJOLNIR_ATTN_KV_FORMAT", "fp5", "is not one of bf16, fp16, fp8_e4m3"),
     ("MJOLNIR_ATTN_MAX_SPLITS", "many", "is not an integer"),
     ("MJOLNIR_ATTN_THREADS", "-1", r"-1 is outside \[0, 4096\]"),
-    ("MJOLNIR_ATTN_OWN_BF16", "yes", "is not one of auto, 1, 0"),
+    ("MJOLNIR_ATTN_ON_AMX", "yes", "is not one of vllm, mjolnir"),
     ("MJOLNIR_ATTN_GPU_BASE", "triton", "is not one of flash_attn, flashinfer"),
     ("MJOLNIR_ATTN_MAX_QLEN", "9", r"9 is outside \[1, 8\]"),
 ])

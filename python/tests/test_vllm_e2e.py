@@ -184,7 +184,7 @@ def test_a_long_prompt_in_bounded_memory(model_dir):
     ties."""
     theirs = run_in_subprocess(model_dir, {"MJOLNIR_ATTN_DISABLE": "1"}, long=True)
     # bf16 on mjolnir on every CPU (a CPU with AMX leaves it to vLLM's kernel by default).
-    ours = run_in_subprocess(model_dir, {"MJOLNIR_ATTN_OWN_BF16": "1"}, long=True)
+    ours = run_in_subprocess(model_dir, {"MJOLNIR_ATTN_ON_AMX": "mjolnir"}, long=True)
     assert ours["mjolnir_steps"] > 0 and ours["fallback_steps"] == 0
     print(f"long prompt: peak RSS {ours['peak_rss_mib']:.0f} MiB with mjolnir, "
           f"{theirs['peak_rss_mib']:.0f} MiB stock")

@@ -46,9 +46,9 @@ def test_register_overrides_cpu_attn(monkeypatch):
 
 
 # The plugin's settings with its bf16 layers on mjolnir on every CPU: by default a CPU with AMX
-# leaves them to vLLM's AMX kernel (test_bf16_stays_vllms_where_vllm_runs_amx), and these tests
-# are of mjolnir's path.
-OWN_BF16 = AttnConfig(own_bf16="1")
+# leaves them to vLLM's AMX kernel (test_stays_vllms_where_vllm_runs_amx), and these tests are
+# of mjolnir's path.
+OWN_BF16 = AttnConfig(on_amx="mjolnir")
 
 
 def make_impl(num_heads, num_kv_heads, head_size, config):
@@ -190,7 +190,7 @@ def test_per_request_causality_takes_the_pytorch_path(vllm_ops, gen):
     assert type(impl).fallback_steps == torch_steps + 1
     assert (out[:3].float() - planned[:3].float()).abs().max() < 2e-2
     assert torch.isfinite(out[3:].float()).all()
-    strict = make_impl(8, 2, 64, AttnConfig(fallback=False, own_bf16="1"))
+    strict = make_impl(8, 2, 64, AttnConfig(fallback=False, on_amx="mjolnir"))
     with pytest.raises(NotImplementedError, match="per-request causality"):
         strict.forward(step.layer, step.query, None, None, step.ours, step.meta, out)
 
@@ -206,16 +206,17 @@ def test_layers_mjolnir_does_not_take(vllm_ops):
 
 
 @pytest.mark.parametrize("amx", [False, True])
-def test_bf16_stays_vllms_where_vllm_runs_amx(monkeypatch, amx):
-    """By default a bf16 cache stays vLLM's on a CPU with AMX when its blocks are a multiple of
-    32 tokens (where vLLM runs its AMX kernel), saying why; everywhere else, with
-    MJOLNIR_ATTN_OWN_BF16=1, or while recording amax, mjolnir takes it. fp16 and low-bit caches
-    are mjolnir's either way; MJOLNIR_ATTN_OWN_BF16=0 leaves bf16 to vLLM on any CPU."""
+def test_stays_vllms_where_vllm_runs_amx(monkeypatch, amx):
+    """By default, on a CPU with AMX and blocks of a multiple of 32 tokens (where vLLM runs its
+    AMX kernel for a bf16 model), the caches vLLM runs itself stay vLLM's, saying why: bf16,
+    and vLLM's fp8 without a scales file. Everywhere else mjolnir takes them, as it does with
+    MJOLNIR_ATTN_ON_AMX=mjolnir, while recording amax, with a scales file or with a format of
+    its own; fp16 caches and fp8 under an fp16 model (vLLM's vec kernel there) are mjolnir's."""
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
     bf16 = torch.zeros(4, 2, 32, 128, dtype=torch.bfloat16)
     why = make_impl(4, 2, 64, AttnConfig()).owner_reason(bf16)
     if amx:
-        assert "bf16 cache on a CPU with AMX" in why and "MJOLNIR_ATTN_OWN_BF16=1" in why
+        assert "bf16 cache on a CPU with AMX" in why and "MJOLNIR_ATTN_ON_AMX=mjolnir" in why
     else:
         assert why is None
     assert make_impl(4, 2, 64, AttnConfig()).owner_reason(
@@ -223,10 +224,20 @@ def test_bf16_stays_vllms_where_vllm_runs_amx(monkeypatch, amx):
     assert make_impl(4, 2, 64, AttnConfig()).owner_reason(bf16.half()) is None
     assert make_impl(4, 2, 64, OWN_BF16).owner_reason(bf16) is None
     assert make_impl(4, 2, 64, AttnConfig(kv_calibrate="amax.json")).owner_reason(bf16) is None
-    assert "OWN_BF16=0" in make_impl(4, 2, 64, AttnConfig(own_bf16="0")).owner_reason(bf16)
-    fp8 = make_impl(4, 2, 64, AttnConfig())
-    fp8.kv_cache_dtype = "fp8"
-    assert fp8.owner_reason(torch.zeros(4, 2, 32, 128, dtype=torch.uint8)) is None
+
+    def fp8(config, model_dtype):
+        impl = make_impl(4, 2, 64, config)
+        impl.kv_cache_dtype = "fp8"
+        impl.mjolnir_model_dtype = model_dtype
+        return impl.owner_reason(torch.zeros(4, 2, 32, 128, dtype=torch.uint8))
+
+    why = fp8(AttnConfig(), torch.bfloat16)
+    assert ("fp8_e4m3 cache on a CPU with AMX" in why) if amx else why is None
+    assert fp8(AttnConfig(), torch.float16) is None
+    assert fp8(AttnConfig(kv_scales="kv_scales.json"), torch.bfloat16) is None
+    assert fp8(OWN_BF16, torch.bfloat16) is None
+    packed = make_impl(4, 2, 64, AttnConfig(kv_format="fp4_e2m1"))
+    assert packed.owner_reason(torch.zeros(4, 2, 32, 64, dtype=torch.uint8)) is None
 
 
 def test_non_finite_kv_does_not_end_the_engine(vllm_ops, gen):
