@@ -7,7 +7,6 @@ torch.ops.mjolnir.decode of the same step."""
 from __future__ import annotations
 
 import os
-import statistics
 import time
 
 import pytest
@@ -86,13 +85,15 @@ def test_soak_ops_memory_and_speed_flat(gen):
         if rss_after_warmup is None:
             rss_after_warmup = resident_kib()
     growth = resident_kib() - rss_after_warmup
-    early = statistics.median(rotation_seconds[1:1 + len(rotation_seconds) // 3])
-    late = statistics.median(rotation_seconds[-(len(rotation_seconds) // 3):])
+    # The fastest rotation of the first and of the last third: a shared machine's noise comes in
+    # bursts that can double a third's median, but it does not slow every rotation of a third,
+    # while a per-step leak of time slows every later one.
+    early = min(rotation_seconds[1:1 + len(rotation_seconds) // 3])
+    late = min(rotation_seconds[-(len(rotation_seconds) // 3):])
     print(f"soak: {len(rotation_seconds)} rotations, {steps} steps, resident memory "
           f"+{growth} KiB after the first rotation, rotation {early * 1e3:.0f} ms early, "
           f"{late * 1e3:.0f} ms late")
     # PyTorch's and glibc's allocators keep a little; a leak of a tensor per step would not fit.
     assert growth < 16 * 1024, f"resident memory grew {growth} KiB after the first rotation"
-    # 2x: a shared machine's noise reaches 1.5x over a few rotations; a per-step leak of time grows
-    # without bound.
+    # 2x: a per-step leak of time grows without bound.
     assert late < 2.0 * early, f"rotations slowed down {late / early:.2f}x"
