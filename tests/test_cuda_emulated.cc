@@ -43,12 +43,17 @@ emulation::CtaRunner& runner() {
 
 // The kernels behind the Backend interface, on host memory: the step buffer packed as
 // DecodeStep::upload packs it, the configuration make_decode_config() picks for a device with
-// `smem_limit` bytes per CTA, and a fixed grid of the plan's capacity as a captured graph runs.
+// `smem_limit` bytes per CTA, and a fixed grid of the plan's capacity as a captured graph runs,
+// or (`eager`) the grids sized to the plan that an eager call launches (enqueue_planned_decode:
+// Backend::run and the PyTorch ops).
 class EmulatedKernels final : public Backend {
  public:
   explicit EmulatedKernels(std::size_t smem_limit, int score_tokens = 0,
-                           MmaLayout layout_limit = MmaLayout::tokens_on_m)
-      : smem_limit_(smem_limit), score_tokens_(score_tokens), layout_limit_(layout_limit) {}
+                           MmaLayout layout_limit = MmaLayout::tokens_on_m, bool eager = false)
+      : smem_limit_(smem_limit),
+        score_tokens_(score_tokens),
+        layout_limit_(layout_limit),
+        eager_(eager) {}
   std::string_view name() const override { return "cuda-emulated"; }
   std::string unsupported_reason(const CacheGeometry&, const DecodeParams& params) const override {
     // As the CUDA backend (cuda::unsupported_reason): its kernels run decode steps only.
@@ -65,11 +70,12 @@ class EmulatedKernels final : public Backend {
     std::vector<std::byte> step(
         step_regions(plan.items.size(), std::size_t(plan.num_seqs), pages).end);
     pack_step(args.batch, plan, geo.page_size, step.data());
-    LaunchShape shape;
-    shape.decode_ctas = static_cast<int>(plan.items.size());
-    shape.merge_ctas = plan.capacity.max_seqs * plan.q_len * args.params.num_q_heads;
-    shape.score_tokens = std::max(plan.tile_tokens, score_tokens_);
-    shape.partial_slots = std::size_t(plan.partial_slots());  // as CudaBackend::run
+    LaunchShape shape = planned_launch_shape(plan, args.params.num_q_heads);
+    if (!eager_) {  // the capacity's grids; the rest as the plan's
+      shape.decode_ctas = static_cast<int>(plan.items.size());
+      shape.merge_ctas = plan.capacity.max_seqs * plan.q_len * args.params.num_q_heads;
+    }
+    shape.score_tokens = std::max(shape.score_tokens, score_tokens_);
     const DecodeConfig config =
         make_decode_config(args, args.cache.k_scale.data(), args.cache.v_scale.data(), step.data(),
                            workspace, shape, smem_limit_, kHopper, layout_limit_);
@@ -101,6 +107,7 @@ class EmulatedKernels final : public Backend {
   std::size_t smem_limit_;
   int score_tokens_;
   MmaLayout layout_limit_;
+  bool eager_;
 };
 
 struct Tally {
@@ -145,6 +152,20 @@ TEST(CudaEmulated, DecodeMatchesTheEmulatorOnTheQuickMatrix) {
   // A sample that still covers every format (the matrix holds 12 consecutive cases per format).
   for (std::size_t i = 0; i < matrix.size(); i += all_cases() ? 1 : 5) cases.push_back(matrix[i]);
   run_all(cases, EmulatedKernels(kHopperSmem));
+}
+
+// The grids an eager call launches (planned_launch_shape: the plan's items, one merge CTA per
+// query row of its sequences) on a sample of the quick matrix, with splits: no work item or
+// merged row is left out, as a captured graph's larger grids would hide.
+TEST(CudaEmulated, PlannedGridsMatchTheEmulator) {
+  std::vector<verify::Case> cases;
+  int at = 0;
+  for (const verify::Case& c : verify::case_matrix(true, testing::test_seed())) {
+    if (c.spec.params.q_len > 0 && at++ % (all_cases() ? 1 : 5) == 0) cases.push_back(c);
+  }
+  const Tally tally =
+      run_all(cases, EmulatedKernels(kHopperSmem, 0, MmaLayout::tokens_on_m, /*eager=*/true));
+  EXPECT_GT(tally.cases, 10);
 }
 
 verify::Case odd_case(Format format, Layout layout, int page, int d, int g, int q_len, bool causal,

@@ -23,6 +23,21 @@ struct LaunchShape {
   std::size_t partial_slots = 0;  // slots the workspace holds (PartialLayout)
 };
 
+// The grids of a launch that runs exactly `plan` (an eager call, enqueue_planned_decode): its
+// items, one merge CTA per query row of its sequences, its own tile and partial slots. A
+// captured graph launches its capacity's grids instead (enqueue_decode).
+inline LaunchShape planned_launch_shape(const Plan& plan, int num_q_heads) {
+  LaunchShape shape;
+  shape.decode_ctas = plan.num_items;
+  shape.merge_ctas = plan.num_seqs * plan.q_len * num_q_heads;
+  shape.score_tokens = plan.tile_tokens;
+  // The plan's own slots: capacity_for() reserves exactly the partials of the step's split
+  // sequences, fewer than max_seqs x max_splits when some sequences are not split (the Python
+  // ops failed on exactly that on an H200, 2026-12-04).
+  shape.partial_slots = std::size_t(plan.partial_slots());
+  return shape;
+}
+
 // Which CTA body runs the items (docs/cuda.md, "The kernels").
 enum class DecodeBody {
   exact_order,  // decode_kernel.cuh: any shape and mode, the emulator's order of operations

@@ -270,15 +270,7 @@ void enqueue_planned_decode(const DecodeArgs& args, const Plan& plan, const Devi
   MJOLNIR_REQUIRE(workspace.size() >= needed, "workspace: ", workspace.size(),
                   " bytes, the plan needs ", needed);
   if (plan.num_items == 0) return;
-
-  LaunchShape shape;
-  shape.decode_ctas = plan.num_items;
-  shape.merge_ctas = plan.num_seqs * plan.q_len * args.params.num_q_heads;  // one per query row
-  shape.score_tokens = plan.tile_tokens;
-  // The plan's own slots: capacity_for() reserves exactly the partials of the step's split
-  // sequences, fewer than max_seqs x max_splits when some sequences are not split (the Python
-  // ops failed on exactly that on an H200, 2026-12-04).
-  shape.partial_slots = std::size_t(slots);
+  const LaunchShape shape = planned_launch_shape(plan, args.params.num_q_heads);
   launch_decode(args, scales, step.device_data(), workspace, shape, stream,
                 mma_layout_limit(kernels));
 }
