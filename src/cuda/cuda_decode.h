@@ -106,7 +106,8 @@ class DecodeStep {
   // after its own upload to tell whether another plan has replaced its own since.
   std::uint64_t uploads() const { return uploads_; }
   // Whether `plan` has the shape of the plan last uploaded (its sequences, items, partial slots,
-  // q_len and tile): what enqueue_planned_decode() checks before sizing its grids to it.
+  // q_len and tile): what enqueue_planned_decode() checks before sizing its grids to it. A plan
+  // of the same shape passes too; uploads() tells whose it is.
   bool holds(const Plan& plan) const;
 
  private:
@@ -138,14 +139,15 @@ void enqueue_decode(const DecodeArgs& args, const DeviceScales& scales, const De
                     std::span<std::byte> workspace, cudaStream_t stream,
                     const CudaKernelOptions& kernels = {});
 
-// Enqueues the decode of `plan`, the plan last uploaded to `step` (checked: DecodeStep::holds),
-// with grids sized to it: plan.num_items decode CTAs and one merge CTA per query row of its
-// sequences, not the capacity's. For eager calls that run each step's own plan (a serving
-// engine's layers, Backend::run): no allocation, no copy, no synchronization. A graph that
-// captured it would replay the captured plan's grids, so use enqueue_decode() for graphs.
-// `args` must have passed validate() (its batch is the uploaded one; its scales are not read,
-// `scales` are); the workspace holds Backend::workspace_bytes(plan, ...): plan.partial_slots()
-// partials.
+// Enqueues the decode of `plan`, the plan last uploaded to `step`, with grids sized to it:
+// plan.num_items decode CTAs and one merge CTA per query row of its sequences, not the
+// capacity's. Its shape is checked against the upload (DecodeStep::holds); that it is the same
+// plan, not another of the same shape, the caller knows from DecodeStep::uploads(). For eager
+// calls that run each step's own plan (a serving engine's layers, Backend::run): no allocation,
+// no copy, no synchronization. A graph that captured it would replay the captured plan's grids,
+// so use enqueue_decode() for graphs. `args` must have passed validate() (its batch is the
+// uploaded one; its scales are not read, `scales` are); the workspace holds
+// Backend::workspace_bytes(plan, ...): plan.partial_slots() partials.
 void enqueue_planned_decode(const DecodeArgs& args, const Plan& plan, const DeviceScales& scales,
                             const DecodeStep& step, std::span<std::byte> workspace,
                             cudaStream_t stream, const CudaKernelOptions& kernels = {});
