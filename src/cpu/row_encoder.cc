@@ -19,6 +19,7 @@
 #include "core/format_table.h"
 #include "core/minifloat.h"
 #include "cpu/row_encoder.h"
+#include "mjolnir/cache.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace mjolnir::cpu::HWY_NAMESPACE {
@@ -121,34 +122,58 @@ void EncodePlain(std::span<const float> values, std::span<const float> scales, s
 }
 
 // nvfp4: per block of 16, scale = e4m3(amax / 6) (at least the smallest code when the block is
-// not zero) and codes e2m1(value / decoded scale), as format.cc defines it.
+// not zero) and codes e2m1(value / decoded scale), as format.cc defines it. Every block's scale
+// comes first, a vector of blocks at a time: one block at a time, each scale's scalar encode
+// and decode sat on the path to the block's division and codes.
 void EncodeNvfp4(std::span<const float> values, std::span<const float> scales, std::byte* row) {
   const FloatTag df;
   const hn::RebindToUnsigned<decltype(df)> du;
   const std::size_t n = hn::Lanes(df);
   const std::size_t head_dim = values.size();
+  const std::size_t blocks = head_dim / kNvfp4BlockSize;
   std::byte* block_scales = row + head_dim / 2;
-  alignas(64) float scaled[kGroup];
+  // Whole vectors of blocks (a multiple of every vector width; blocks past the row stay 0).
+  constexpr std::size_t kMaxBlocks = kMaxHeadDim / kNvfp4BlockSize;
+  alignas(64) float scaled[kMaxHeadDim];
+  alignas(64) float amax[kMaxBlocks] = {};
+  alignas(64) std::uint32_t scale_codes[kMaxBlocks];
+  alignas(64) float divisors[kMaxBlocks];
   alignas(64) std::uint32_t codes[kGroup];
   for (std::size_t first = 0; first < head_dim; first += kGroup) {
-    ScaleGroup(values.data(), scales, first, scaled);
+    ScaleGroup(values.data(), scales, first, scaled + first);
+  }
+  // Block maxima (finite values: write_kv checked them, so Max is std::max here).
+  for (std::size_t b = 0; b < blocks; ++b) {
+    auto block_max = hn::Zero(df);
+    for (std::size_t i = 0; i < kNvfp4BlockSize; i += n) {
+      block_max = hn::Max(block_max, hn::Abs(hn::Load(df, scaled + b * kNvfp4BlockSize + i)));
+    }
+    amax[b] = hn::GetLane(hn::MaxOfLanes(df, block_max));
+  }
+  // Scale codes: e4m3(amax / 6); 0 for an all-zero block, the smallest code for a block whose
+  // scale would round to zero.
+  const auto six = hn::Set(df, 6.0f);
+  for (std::size_t b = 0; b < blocks; b += n) {
+    const auto m = hn::Load(df, amax + b);
+    const auto code = EncodeMinifloat<kE4M3Spec>(df, hn::Div(m, six));
+    const auto nonzero = hn::RebindMask(du, hn::Gt(m, hn::Zero(df)));
+    hn::Store(hn::IfThenElse(hn::And(nonzero, hn::Eq(code, hn::Zero(du))), hn::Set(du, 1u), code),
+              du, scale_codes + b);
+  }
+  for (std::size_t b = 0; b < blocks; ++b) {
+    block_scales[b] = std::byte(scale_codes[b]);
+    divisors[b] = decode_minifloat<kE4M3Spec>(scale_codes[b]);
+  }
+  for (std::size_t first = 0; first < head_dim; first += kGroup) {
     for (std::size_t b = 0; b < kGroup; b += kNvfp4BlockSize) {
-      float amax = 0.0f;
-      for (std::size_t i = 0; i < kNvfp4BlockSize; ++i)
-        amax = std::max(amax, std::fabs(scaled[b + i]));
-      std::uint32_t scale_code = 0;
-      if (amax != 0.0f) {
-        scale_code = encode_minifloat<kE4M3Spec>(amax / 6.0f);
-        if (scale_code == 0) scale_code = 1;  // the smallest positive e4m3
-      }
-      block_scales[(first + b) / kNvfp4BlockSize] = std::byte(scale_code);
-      if (scale_code == 0) {
+      const std::size_t block = (first + b) / kNvfp4BlockSize;
+      if (scale_codes[block] == 0) {
         std::fill_n(codes + b, kNvfp4BlockSize, 0u);
         continue;
       }
-      const auto divisor = hn::Set(df, decode_minifloat<kE4M3Spec>(scale_code));
+      const auto divisor = hn::Set(df, divisors[block]);
       for (std::size_t i = 0; i < kNvfp4BlockSize; i += n) {
-        const auto x = hn::Div(hn::Load(df, scaled + b + i), divisor);
+        const auto x = hn::Div(hn::Load(df, scaled + first + b + i), divisor);
         hn::StoreU(EncodeMinifloat<kE2M1Spec>(df, x), du, codes + b + i);
       }
     }
