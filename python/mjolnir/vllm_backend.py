@@ -116,8 +116,8 @@ def vllm_amx_reason(config: AttnConfig, fmt: str, kv_cache_dtype: str, block_siz
     """Why a layer stays vLLM's on a CPU where vLLM's attention runs on AMX tiles, or None.
     vLLM picks its AMX kernel for a bf16 model whose blocks hold a multiple of 32 tokens
     (its _get_attn_isa), and runs it over bf16 caches and its own fp8 ones. There, on an Intel
-    Xeon, it decoded 1.0-1.5x faster than mjolnir over bf16 and 1.25-1.35x over fp8, with
-    prompts' attention as fast or faster (docs/vllm.md): such a layer is better left to it
+    Xeon (2026-12-06), it decoded 1.02-1.27x faster than mjolnir over bf16 and 1.25-1.35x over
+    fp8, with prompts' attention as fast or faster (docs/vllm.md): such a layer is better left to it
     unless mjolnir brings what vLLM lacks, a calibrated scales file (MJOLNIR_ATTN_KV_SCALES) or
     one of its own formats (MJOLNIR_ATTN_KV_FORMAT). MJOLNIR_ATTN_ON_AMX=mjolnir takes the layer
     anyway; recording amax (MJOLNIR_ATTN_KV_CALIBRATE) needs mjolnir's cache write, so it takes

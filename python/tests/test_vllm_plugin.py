@@ -48,7 +48,7 @@ def test_register_overrides_cpu_attn(monkeypatch):
 # The plugin's settings with its bf16 layers on mjolnir on every CPU: by default a CPU with AMX
 # leaves them to vLLM's AMX kernel (test_stays_vllms_where_vllm_runs_amx), and these tests are
 # of mjolnir's path.
-OWN_BF16 = AttnConfig(on_amx="mjolnir")
+ON_MJOLNIR = AttnConfig(on_amx="mjolnir")
 
 
 def make_impl(num_heads, num_kv_heads, head_size, config):
@@ -155,7 +155,7 @@ def test_forward_matches_vllm_kernel(vllm_ops, gen, dtype, q_lens):
     attention, as vLLM's own kernel on its own cache is."""
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
     hq, d = 8, 64
-    impl = make_impl(hq, 2, d, OWN_BF16)
+    impl = make_impl(hq, 2, d, ON_MJOLNIR)
     step = Step(vllm_ops, gen, impl, dtype, q_lens)
     assert impl.owner_reason(step.ours) is None
     ours = torch.full((sum(q_lens), hq * d), float("nan"), dtype=dtype)
@@ -178,7 +178,7 @@ def test_per_request_causality_takes_the_pytorch_path(vllm_ops, gen):
     """vLLM's dynamic_causal (a causal flag per request) is the one step mjolnir does not plan:
     the PyTorch path runs it (the causal request matching mjolnir's own result), or, with
     MJOLNIR_ATTN_FALLBACK=0, it raises."""
-    impl = make_impl(8, 2, 64, OWN_BF16)
+    impl = make_impl(8, 2, 64, ON_MJOLNIR)
     step = Step(vllm_ops, gen, impl, torch.bfloat16, [3, 5])
     planned = torch.empty(8, 8 * 64, dtype=torch.bfloat16)
     impl.forward(step.layer, step.query, None, None, step.ours, step.meta, planned)
@@ -196,7 +196,7 @@ def test_per_request_causality_takes_the_pytorch_path(vllm_ops, gen):
 
 
 def test_layers_mjolnir_does_not_take(vllm_ops):
-    impl = make_impl(4, 2, 64, OWN_BF16)
+    impl = make_impl(4, 2, 64, ON_MJOLNIR)
     cache = torch.zeros(4, 2, 32, 128, dtype=torch.bfloat16)
     assert impl.owner_reason(cache) is None
     assert "KV cache dtype" in impl.owner_reason(cache.float())
@@ -222,7 +222,7 @@ def test_stays_vllms_where_vllm_runs_amx(monkeypatch, amx):
     assert make_impl(4, 2, 64, AttnConfig()).owner_reason(
         torch.zeros(4, 2, 16, 128, dtype=torch.bfloat16)) is None  # vLLM's vec16 there
     assert make_impl(4, 2, 64, AttnConfig()).owner_reason(bf16.half()) is None
-    assert make_impl(4, 2, 64, OWN_BF16).owner_reason(bf16) is None
+    assert make_impl(4, 2, 64, ON_MJOLNIR).owner_reason(bf16) is None
     assert make_impl(4, 2, 64, AttnConfig(kv_calibrate="amax.json")).owner_reason(bf16) is None
 
     def fp8(config, model_dtype):
@@ -235,7 +235,7 @@ def test_stays_vllms_where_vllm_runs_amx(monkeypatch, amx):
     assert ("fp8_e4m3 cache on a CPU with AMX" in why) if amx else why is None
     assert fp8(AttnConfig(), torch.float16) is None
     assert fp8(AttnConfig(kv_scales="kv_scales.json"), torch.bfloat16) is None
-    assert fp8(OWN_BF16, torch.bfloat16) is None
+    assert fp8(ON_MJOLNIR, torch.bfloat16) is None
     packed = make_impl(4, 2, 64, AttnConfig(kv_format="fp4_e2m1"))
     assert packed.owner_reason(torch.zeros(4, 2, 32, 64, dtype=torch.uint8)) is None
 
@@ -243,7 +243,7 @@ def test_stays_vllms_where_vllm_runs_amx(monkeypatch, amx):
 def test_non_finite_kv_does_not_end_the_engine(vllm_ops, gen):
     """A request whose K/V holds NaN or Inf: the write goes through (Inf saturated, NaN as 0),
     is counted, and the other tokens of the batch are stored as they are."""
-    impl = make_impl(4, 2, 64, OWN_BF16)
+    impl = make_impl(4, 2, 64, ON_MJOLNIR)
     cache = torch.zeros(4, 2, 32, 128, dtype=torch.bfloat16)
     layer = types.SimpleNamespace(isa="vec", _k_scale_float=1.0, _v_scale_float=1.0,
                                   layer_name="model.layers.0.self_attn.attn")

@@ -147,7 +147,8 @@ void enqueue_decode(const DecodeArgs& args, const DeviceScales& scales, const De
 // no copy, no synchronization. A graph that captured it would replay the captured plan's grids,
 // so use enqueue_decode() for graphs. `args` must have passed validate() (its batch is the
 // uploaded one; its scales are not read, `scales` are); the workspace holds
-// Backend::workspace_bytes(plan, ...): plan.partial_slots() partials.
+// Backend::workspace_bytes(plan, ...): plan.partial_slots() partials, and the configuration runs
+// with the plan's tile (unsupported_reason: checked before the upload, which it must precede).
 void enqueue_planned_decode(const DecodeArgs& args, const Plan& plan, const DeviceScales& scales,
                             const DecodeStep& step, std::span<std::byte> workspace,
                             cudaStream_t stream, const CudaKernelOptions& kernels = {});

@@ -122,12 +122,17 @@ float* scratch_rows(FloatScratch& scratch, std::size_t floats) {
   return scratch.data.get();
 }
 
-}  // namespace
-
-std::span<const float> host_floats(const at::Tensor& t, std::string_view name, at::Tensor& keep) {
+// A scale tensor holds floats (read on the host, or left on the device).
+void require_floats(const at::Tensor& t, std::string_view name) {
   if (!at::isFloatingType(t.scalar_type())) {
     fail(name, ": expected a float tensor, got ", dtype_name(t.scalar_type()));
   }
+}
+
+}  // namespace
+
+std::span<const float> host_floats(const at::Tensor& t, std::string_view name, at::Tensor& keep) {
+  require_floats(t, name);
   if (t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous()) {
     return {t.const_data_ptr<float>(), std::size_t(t.numel())};
   }
@@ -348,11 +353,8 @@ CacheTensor cache_tensor(const at::Tensor& kv_cache, std::string_view kv_format,
   CacheTensor out;
   std::span<const float> ks, vs;
   if (leave_device_scales && k_scale.is_cuda() && v_scale.is_cuda()) {
-    for (const auto& [t, name] : {std::pair{&k_scale, "k_scale"}, std::pair{&v_scale, "v_scale"}}) {
-      if (!at::isFloatingType(t->scalar_type())) {
-        fail(name, ": expected a float tensor, got ", dtype_name(t->scalar_type()));
-      }
-    }
+    require_floats(k_scale, "k_scale");
+    require_floats(v_scale, "v_scale");
     out.unread_scales.assign(std::size_t(std::max(k_scale.numel(), v_scale.numel())), 1.0f);
     ks = {out.unread_scales.data(), std::size_t(k_scale.numel())};
     vs = {out.unread_scales.data(), std::size_t(v_scale.numel())};

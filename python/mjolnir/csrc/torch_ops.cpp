@@ -242,9 +242,9 @@ void enqueue_on_device(const Backend& backend, const DecodeArgs& args, const Bac
   const CacheGeometry& geo = args.cache.geometry;
   const at::Tensor ks = device_scales(k_scale, device);
   const at::Tensor vs = device_scales(v_scale, device);
+  // What Backend::run checks before its upload (the plan is this backend's: Step and decode
+  // made it).
   const std::size_t bytes = with_op_errors([&] {
-    MJOLNIR_REQUIRE(planned.planned_by() == backend.name(), "plan: planned by backend '",
-                    planned.planned_by(), "', run on '", backend.name(), "'");
     check_plan(plan, args);
     const std::string why = cuda::unsupported_reason(geo, args.params, plan.tile_tokens);
     MJOLNIR_REQUIRE(why.empty(), "backend cuda: ", why);
