@@ -168,6 +168,31 @@ void TestDecoders() {
 #if MJOLNIR_BF16_DOT
 HWY_PUSH_ATTRIBUTES("avx512bf16,avx512vbmi")
 
+// DotNvfp4::DecodeScaled's words of chunk c of an nvfp4 row: the true values decode_row gave
+// (want), bit for bit as bf16 words; NaN where the block's scale is.
+void CheckNvfp4ScaledWords(const std::uint8_t* row, std::size_t c, int head_dim,
+                           const std::vector<float>& want) {
+  const WordTag dw;
+  Words x0, x1;
+  DotNvfp4::DecodeScaled(row, c, head_dim, x0, x1);
+  alignas(64) std::uint16_t words[2][32];
+  hn::Store(x0, dw, words[0]);
+  hn::Store(x1, dw, words[1]);
+  for (std::size_t j = 0; j < 2; ++j) {
+    for (std::size_t w = 0; w < 32; ++w) {
+      const std::size_t channel = c * kDotChunk + DotNvfp4::Channel(j, w);
+      const float got = std::bit_cast<float>(std::uint32_t(words[j][w]) << 16);
+      if (std::isnan(want[channel])) {
+        ASSERT_TRUE(std::isnan(got)) << "nvfp4 D" << head_dim << " channel " << channel;
+      } else {
+        ASSERT_EQ(Bits(got), Bits(want[channel]))
+            << "nvfp4 scaled words, D" << head_dim << " channel " << channel << ": " << got
+            << " vs " << want[channel];
+      }
+    }
+  }
+}
+
 // The bf16 words a dot decoder makes of every test row, against decode_row: bit for bit.
 template <class Dot>
 void CheckDotDecoder(Format format) {
@@ -214,21 +239,30 @@ void CheckDotDecoder(Format format) {
                 << std::bit_cast<float>(got) << " vs " << want[channel];
           }
         }
+        if constexpr (std::is_same_v<Dot, DotNvfp4>) {
+          CheckNvfp4ScaledWords(src, c, head_dim, want);
+        }
       }
     }
   }
 }
 
 // DotNvfp4's block scales for every e4m3 code, against the scalar decoder: 16 rows of D 256
-// whose 16 scale bytes walk the 256 codes.
+// whose 16 scale bytes walk the 256 codes; and the words DecodeScaled makes of those rows.
 void CheckNvfp4DotScales() {
   constexpr int kHeadDim = 256;
   std::vector<std::uint8_t> row(row_bytes(Format::nvfp4, kHeadDim));
   std::mt19937_64 rng(mjolnir::testing::test_seed() + 29);
   for (auto& byte : row) byte = static_cast<std::uint8_t>(rng());
   alignas(64) float got[16];
+  std::vector<float> values(kHeadDim);
   for (std::uint32_t first = 0; first < 256; first += 16) {
     for (std::uint32_t b = 0; b < 16; ++b) row[kHeadDim / 2 + b] = std::uint8_t(first + b);
+    // The scaled words too, with every scale code under random e2m1 codes.
+    decode_row(Format::nvfp4, std::as_bytes(std::span(row)), values);
+    for (std::size_t c = 0; c < kHeadDim / kDotChunk; ++c) {
+      CheckNvfp4ScaledWords(row.data(), c, kHeadDim, values);
+    }
     hn::Store(DotNvfp4::GroupScales(row.data(), 0, kHeadDim), WideFloatTag(), got);
     for (std::uint32_t b = 0; b < 16; ++b) {
       const float want = decode_minifloat<kE4M3Spec>(first + b);

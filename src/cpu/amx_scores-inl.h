@@ -15,7 +15,7 @@
 //
 // Numerics are those of the dot products (bf16_dot-inl.h): every product of two bf16 values is
 // exact in fp32, the sums are fp32 in the tile's order, subnormal inputs and results are zero.
-// nvfp4's K values go in as e2m1 x block scale, exact in bf16 (ScaleNvfp4Words).
+// nvfp4's K values go in as e2m1 x block scale, exact in bf16 (DotNvfp4::DecodeScaled).
 //
 // Only the AVX3_DL target compiles it (it uses the word decoders). Per-target header, see
 // kv_decode-inl.h.
@@ -112,31 +112,6 @@ inline void PrepareAmxQuery(const std::uint16_t* HWY_RESTRICT q_words, std::size
 
 HWY_PUSH_ATTRIBUTES("amx-tile,amx-bf16,avx512bf16")
 
-// nvfp4: the words of chunk c (DotE2M1's order: word w of either vector is in the chunk's block
-// w / 8) times their blocks' scales. A tile sums across blocks, so the scales cannot multiply
-// the sums as on the dot products; each product e2m1 x e4m3 has at most 6 significant bits and
-// lies in bf16's range, so it is exact in bf16, and so is the kernel's q x it in fp32.
-HWY_INLINE void ScaleNvfp4Words(hn::Vec<WideFloatTag> group_scales, std::size_t chunk, Words& x0,
-                                Words& x1) {
-  const WideFloatTag df;
-  const hn::RebindToSigned<WideFloatTag> di;
-  alignas(64) static constexpr std::int32_t kHalfBlocks[16] = {0, 0, 0, 0, 0, 0, 0, 0,
-                                                               1, 1, 1, 1, 1, 1, 1, 1};
-  const auto first =
-      hn::Add(hn::Load(di, kHalfBlocks), hn::Set(di, static_cast<std::int32_t>(4 * (chunk % 4))));
-  const auto low = hn::TableLookupLanes(group_scales, hn::IndicesFromVec(df, first));
-  const auto high =
-      hn::TableLookupLanes(group_scales, hn::IndicesFromVec(df, hn::Add(first, hn::Set(di, 2))));
-  for (Words* x : {&x0, &x1}) {
-    const __m512 lo = _mm512_mul_ps(
-        _mm512_cvtpbh_ps(reinterpret_cast<__m256bh>(_mm512_castsi512_si256(x->raw))), low.raw);
-    const __m512 hi = _mm512_mul_ps(
-        _mm512_cvtpbh_ps(reinterpret_cast<__m256bh>(_mm512_extracti64x4_epi64(x->raw, 1))),
-        high.raw);
-    x->raw = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
-  }
-}
-
 // The palette-1 tile configuration: for Q . K tiles 0 and 1 hold C (16 keys x 16 fp32), 4 and 5 B,
 // 2, 3, 6 and 7 A (16 keys x 32 bf16); for P . V tiles 0-3 hold C (query rows x 16 fp32), 4 A
 // (query rows x 32 bf16) and 5-7 B (16 key pairs x 16 channel pairs). Every tile has rows of 64
@@ -221,13 +196,12 @@ HWY_NOINLINE void ScoresAmx(const std::uint16_t* HWY_RESTRICT q_tiles, int rows,
       if (direct[t / 16]) continue;
       const std::uint8_t* k = bases[t0 + t] + offset;
       std::uint16_t* dst = keys + std::size_t(t) * d;
-      [[maybe_unused]] hn::Vec<WideFloatTag> group_scales;
       for (std::size_t c = 0; c < d / kDotChunk; ++c) {
         Words x0, x1;
-        Dot::Decode(state, k, c, x0, x1);
         if constexpr (std::is_same_v<Dot, DotNvfp4>) {
-          if (c % 4 == 0) group_scales = Dot::GroupScales(k, c / 4, d);
-          ScaleNvfp4Words(group_scales, c, x0, x1);
+          Dot::DecodeScaled(k, c, d, x0, x1);
+        } else {
+          Dot::Decode(state, k, c, x0, x1);
         }
         hn::Store(x0, dw, dst + c * kDotChunk);
         hn::Store(x1, dw, dst + c * kDotChunk + 32);

@@ -23,4 +23,28 @@ constexpr std::array<float, 256> e4m3_value_table() {
   return table;
 }
 
+// The bf16 word of every nvfp4 value: e2m1 code c times the block-scale e4m3 code s at
+// words[16 s + c], so that one block's 16 values are one 32-byte row. Every product is exact in
+// bf16: e2m1 has 2 significant bits and e4m3 4, and the products lie within bf16's normal range
+// (2^-10 .. 2688). A NaN scale gives NaN words, as multiplying by it would.
+struct Nvfp4ScaledWords {
+  alignas(64) std::array<std::uint16_t, 256 * 16> words{};
+  constexpr Nvfp4ScaledWords() {
+    for (std::uint32_t s = 0; s < 256; ++s) {
+      const float scale = decode_minifloat<kE4M3Spec>(s);
+      for (std::uint32_t c = 0; c < 16; ++c) {
+        if (scale != scale) {
+          words[16 * s + c] = 0x7FC0;  // no arithmetic on NaN in a constant expression (clang)
+          continue;
+        }
+        const std::uint32_t bits =
+            minifloat_detail::bits_from_float(decode_minifloat<kE2M1Spec>(c) * scale);
+        if ((bits & 0xFFFFu) != 0) throw "an nvfp4 value that is not a bf16 value";
+        words[16 * s + c] = static_cast<std::uint16_t>(bits >> 16);
+      }
+    }
+  }
+};
+inline constexpr Nvfp4ScaledWords kNvfp4ScaledWords{};
+
 }  // namespace mjolnir::cpu

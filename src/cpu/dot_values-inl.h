@@ -42,7 +42,7 @@ namespace hn = hwy::HWY_NAMESPACE;
 
 #if MJOLNIR_AMX  // the AVX3_DL target: the word decoders and the value tiles' channel order
 
-// The amx-tile attributes only so that ScaleNvfp4Words inlines: nothing here uses the tiles.
+// The amx-tile attributes only so that ValuePairs inlines: nothing here uses the tiles.
 HWY_PUSH_ATTRIBUTES("amx-tile,amx-bf16,avx512bf16")
 
 // kRows rows' accumulators of chunk c (acc + r * ld, groups 4c .. 4c + 3) = alpha * acc + P . V

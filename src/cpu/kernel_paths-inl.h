@@ -83,9 +83,9 @@ UnitPaths ChooseUnitPaths(const KernelConfig& config, const DecodeArgs& args, in
   paths.exact = args.params.p_mode == PMode::fp8;
 #if MJOLNIR_BF16_DOT
   if constexpr (!std::is_void_v<DotOf<Decoder>>) {
-    // nvfp4's V words are scaled key by key (ScaleNvfp4Words), a cost per key that only the
-    // FMAs' cost per row and key outweighs, from kAmxMinRows rows (at 4 rows the tiles took 39
-    // ns a token-head against 30 on the FMAs: docs/cpu-experiments.md, "P . V on bf16 words").
+    // nvfp4's V words are looked up per block scale key by key (DotNvfp4::DecodeScaled), a cost
+    // per key that only the FMAs' cost per row and key outweighs, from kAmxMinRows rows (at 4
+    // rows the tiles take 1.15x the FMAs' time: docs/cpu-experiments.md, "P . V on bf16 words").
     const bool words_pay = format != Format::nvfp4 || rows >= kAmxMinRows;
     paths.amx_values = words_pay && amx_values_apply(config, format, args.params.p_mode, d);
     paths.dot_values =
