@@ -8,8 +8,10 @@ For each configuration and (context, batch): prefill time (first token of the ba
 attention during prefill steps, decode tokens/s (generated tokens after the first over the time
 they took), the process's peak RSS, and the KV capacity in tokens vLLM reports. One engine per
 process, warmed up with a short batch before the cases; --rounds engines per config, the configs
-interleaved, medians reported (each round's values are kept in the JSON). Raw JSON to bench/results/vllm-<date>-<machine>.json; --doc docs/vllm.md re-renders the
-doc's tables from their files (--check: only compare, as the test suite does).
+interleaved, medians reported (each round's values are kept in the JSON). Raw JSON to
+bench/results/vllm-<date>-<machine>.json (-2, -3, ... where that exists: a run never overwrites
+a kept result unless --json names it); --doc docs/vllm.md re-renders the doc's tables from their
+files (--check: only compare, as the test suite does).
 
   build-python/venv/bin/python scripts/vllm_bench.py                 # the default set
   build-python/venv/bin/python scripts/vllm_bench.py --configs stock,bf16,fp4_e2m1 \\
@@ -305,6 +307,16 @@ def render(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def unused_path(stem: str) -> str:
+    """stem.json, or stem-2.json, stem-3.json, ... where it exists: a run without --json never
+    overwrites a kept result (the same day and machine run more than once)."""
+    path, n = stem + ".json", 1
+    while os.path.exists(path):
+        n += 1
+        path = f"{stem}-{n}.json"
+    return path
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -316,7 +328,8 @@ def main() -> None:
     parser.add_argument("--kv-space", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE, GiB")
     parser.add_argument("--rounds", type=int, default=3,
                         help="engines per config, interleaved across configs; medians reported")
-    parser.add_argument("--json", help="output file (default bench/results/vllm-DATE-MACHINE.json)")
+    parser.add_argument("--json", help="output file (default bench/results/vllm-DATE-MACHINE.json, "
+                        "or -2, -3, ... where that exists)")
     parser.add_argument("--render", help="print the table of a results file")
     parser.add_argument("--doc", help="re-render the tables of this doc from their files")
     parser.add_argument("--check", action="store_true",
@@ -343,8 +356,8 @@ def main() -> None:
             print(render(json.load(f)), end="")
         return
     data = run(args)
-    path = args.json or os.path.join(
-        ROOT, "bench", "results", f"vllm-{data['date']}-{file_slug(data['machine'])}.json")
+    path = args.json or unused_path(os.path.join(
+        ROOT, "bench", "results", f"vllm-{data['date']}-{file_slug(data['machine'])}"))
     with open(path, "w") as f:
         json.dump(data, f, indent=1)
     print(render(data), end="")
