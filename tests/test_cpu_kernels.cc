@@ -564,7 +564,12 @@ TEST_P(CpuKernelMatrix, Int8DotMatchesEmulator) {
   // From 8 query rows the AMX tiles take Q . K where the CPU has them; not here.
   const auto backend =
       make_backend("cpu", BackendOptions{.threads = 2, .cpu_kernels = {.amx = false}});
-  const bool vnni = cpu::kernel_target() == "AVX3_DL";  // fp4_e2m1 only on AVX2, AVX3 and Arm
+  // fp4_e2m1 and nvfp4 on every target with integer dot products, fp6_e2m3 with VNNI.
+  const bool vnni = cpu::kernel_target() == "AVX3_DL";
+  const auto in_integers = [&](Format format) {
+    return format == Format::fp4_e2m1 || format == Format::nvfp4 ||
+           (vnni && format == Format::fp6_e2m3);
+  };
   std::mt19937_64 rng(mjolnir::testing::test_seed() + 37);
   const int shapes[][2] = {{1, 1}, {4, 1}, {8, 1}, {3, 2}, {4, 4}, {5, 3}, {16, 2}};
   int index = 0;
@@ -574,18 +579,17 @@ TEST_P(CpuKernelMatrix, Int8DotMatchesEmulator) {
       for (const int d : {64, 128, 192, 256}) {
         for (const auto [g, q_len] : shapes) {
           verify::Case c = QkCase(format, d, g, q_len, index, rng());
-          // Where only fp4_e2m1 has integer decoders, the other formats are controls that must
-          // not run in integers: D 128 is enough of them. The Arm check shares the rest among
-          // its targets (runs_case): under qemu the SVE targets took over 17 minutes for all.
-          const bool control = !vnni && format != Format::fp4_e2m1;
+          // The formats without integer decoders on this target are controls that must not run
+          // in integers: D 128 is enough of them. The Arm check shares the rest among its
+          // targets (runs_case): under qemu the SVE targets took over 17 minutes for all.
+          const bool control = !in_integers(format);
           if (!runs_case(index++) || (control && d != 128)) continue;
           c.spec.params.q_mode = QMode::int8;
           c.spec.params.p_mode = p_mode;
           const std::uint64_t before = cpu::kernel_path_counts(*backend).int8_dot;
           const verify::CaseResult r = verify::run_case(c, *backend);
           EXPECT_NE(r.status, verify::CaseResult::Status::failed) << c.name() << ": " << r.message;
-          if (d % 128 == 0 &&
-              (format == Format::fp4_e2m1 || (vnni && format != Format::fp6_e3m2))) {
+          if (d % 128 == 0 && in_integers(format)) {
             EXPECT_GT(cpu::kernel_path_counts(*backend).int8_dot, before)
                 << c.name() << " did not run in integers";
           } else {
@@ -782,10 +786,10 @@ TEST(CpuInt8Dot, AutoModesPickInt8WhereItRuns) {
         const mjolnir::NumericsModes modes = backend->auto_modes(geometry, rows, true);
         const bool amx_scores =
             rows >= 8 && tiles && format != Format::fp16 && d % 64 == 0;  // bf16_dot_applies
-        // fp4_e2m1 on every target with integer dot products; fp6_e2m3 and nvfp4 with VNNI.
+        // fp4_e2m1 and nvfp4 on every target with integer dot products; fp6_e2m3 with VNNI.
         const bool int8 = cpu::cpu_has_int8_dot() && d % 128 == 0 && !amx_scores &&
-                          (format == Format::fp4_e2m1 ||
-                           (vnni && (format == Format::fp6_e2m3 || format == Format::nvfp4)));
+                          (format == Format::fp4_e2m1 || format == Format::nvfp4 ||
+                           (vnni && format == Format::fp6_e2m3));
         EXPECT_EQ(modes.q_mode, int8 ? QMode::int8 : QMode::bf16)
             << to_string(format) << " D " << d << " rows " << rows;
       }

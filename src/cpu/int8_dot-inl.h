@@ -12,10 +12,10 @@
 // The sums are converted to fp32 (exact: |sum| < 2^24) and reduced like the other blocks' sums,
 // then times the kernel's scale (the score scale / factor): the emulator's scores bit for bit.
 // The AVX3_DL target runs it on CPUs with AVX512_VNNI (Ice Lake and later, Zen 4 and later); the
-// AVX2 and AVX3 targets, which have no vpdpbusd, run fp4_e2m1 with vpmaddubsw and vpmaddwd, and
-// the Arm targets (NEON, SVE, SVE2) fp4_e2m1 with sdot on CPUs with the dot-product extension (at
-// the end of this file). It applies from 128 channels a chunk (D a multiple of 128). Per-target
-// header, see kv_decode-inl.h.
+// AVX2 and AVX3 targets, which have no vpdpbusd, run fp4_e2m1 and nvfp4 with vpmaddubsw and
+// vpmaddwd, and the Arm targets (NEON, SVE, SVE2) with sdot on CPUs with the dot-product
+// extension (at the end of this file). It applies from 128 channels a chunk (D a multiple of 128).
+// Per-target header, see kv_decode-inl.h.
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -166,6 +166,8 @@ struct IntE2M3 {
 // block products then, as the bf16 dot products' are (bf16_dot-inl.h).
 struct IntNvfp4 : IntE2M1 {
   static constexpr bool kBlockScales = true;
+  // The int32 lane of a chunk's sums that byte i of vector j goes into (channels 8 l .. 8 l + 7).
+  static constexpr std::size_t Lane(std::size_t, std::size_t i) { return i / 4; }
   // Lane l: the true value of the scale of block 8 chunk + l / 2 of a row of d channels.
   static HWY_INLINE hn::Vec<WideFloatTag> ChunkScales(const std::uint8_t* row, std::size_t chunk,
                                                       std::size_t d) {
@@ -228,10 +230,37 @@ struct IntE2M1 : E2M1Integers {
   }
 };
 
-inline bool HasIntDecoder(Format format) { return format == Format::fp4_e2m1; }
+// nvfp4: the e2m1 codes as IntE2M1 decodes them, each 16-channel block's e4m3 scale
+// multiplying its integer sums, as on x86. sdot's int32 lane l of quarter m of a chunk sums
+// channels 32 m + 8 l .. 32 m + 8 l + 7 (bytes 4 l .. 4 l + 3 of the quarter's even and odd
+// vectors), all of block 8 chunk + 2 m + l / 2: lane 4 m + l of the chunk, as x86's lane of the
+// same channels.
+struct IntNvfp4 : IntE2M1 {
+  static constexpr bool kBlockScales = true;
+  static constexpr std::size_t Lane(std::size_t j, std::size_t i) { return 4 * (j / 2) + i / 4; }
+  // quarter[m] lane l: the true value of the scale of block 8 chunk + 2 m + l / 2 of a row of d
+  // channels (looked up: the scales' table of codec_tables.h, NaN for the NaN codes).
+  static HWY_INLINE void QuarterScales(const std::uint8_t* row, std::size_t chunk, std::size_t d,
+                                       float32x4_t quarter[4]) {
+    static constexpr auto kScales = e4m3_value_table<0>();
+    const std::uint8_t* codes = row + d / 2 + 8 * chunk;  // the chunk's 8 blocks
+    for (int m = 0; m < 4; ++m) {
+      quarter[m] =
+          vcombine_f32(vdup_n_f32(kScales[codes[2 * m]]), vdup_n_f32(kScales[codes[2 * m + 1]]));
+    }
+  }
+};
+
+inline bool HasIntDecoder(Format format) {
+  return format == Format::fp4_e2m1 || format == Format::nvfp4;
+}
 template <class F>
-HWY_INLINE void VisitIntDecoder(Format, F&& f) {
-  f.template operator()<IntE2M1>();
+HWY_INLINE void VisitIntDecoder(Format format, F&& f) {
+  if (format == Format::nvfp4) {
+    f.template operator()<IntNvfp4>();
+  } else {
+    f.template operator()<IntE2M1>();
+  }
 }
 
 #else  // AVX2, and AVX-512 without VNNI (the AVX3 target)
@@ -266,10 +295,45 @@ struct IntE2M1 : E2M1Integers {
   }
 };
 
-inline bool HasIntDecoder(Format format) { return format == Format::fp4_e2m1; }
+// nvfp4: the e2m1 codes as IntE2M1 decodes them, each 16-channel block's e4m3 scale
+// multiplying its integer sums, as on AVX-512. vpmaddwd's int32 lane l of half m of a chunk sums
+// channels 64 m + 8 l .. 64 m + 8 l + 7 (Channel: byte pairs 2 l, 2 l + 1 of the half's even and
+// odd vectors), all of block 8 chunk + 4 m + l / 2: lane 8 m + l of the chunk, as AVX-512's lane
+// of the same channels.
+struct IntNvfp4 : IntE2M1 {
+  static constexpr bool kBlockScales = true;
+  static constexpr std::size_t Lane(std::size_t j, std::size_t i) { return 8 * (j / 2) + i / 4; }
+  // half[m] lane l: the true value of the scale of block 8 chunk + 4 m + l / 2 of a row of d
+  // channels: the chunk's 8 scale codes decoded at once (DecodeE4M3's fp16 placement and F16C
+  // conversion, value times 2^-8, times 2^8; S.1111.111 is NaN), each lane then doubled.
+  static HWY_INLINE void HalfScales(const std::uint8_t* row, std::size_t chunk, std::size_t d,
+                                    __m256 half[2]) {
+    const hn::Full256<float> df;
+    const hn::RebindToUnsigned<decltype(df)> du;
+    const hn::Rebind<std::uint8_t, decltype(df)> d8;
+    const hn::Rebind<std::int16_t, decltype(df)> d16;
+    static_assert(DecodeE4M3::kRawExp == -8);
+    const auto codes = hn::LoadU(d8, row + d / 2 + 8 * chunk);  // the chunk's 8 blocks
+    const auto wide = hn::PromoteTo(d16, hn::BitCast(hn::RebindToSigned<decltype(d8)>(), codes));
+    const auto values = hn::Mul(DecodeE4M3::Get<0>(df, wide, hn::Zero(df)), hn::Set(df, 0x1p8f));
+    const auto magnitude = hn::And(hn::PromoteTo(du, codes), hn::Set(du, 0x7Fu));
+    const auto scales = hn::IfThenElse(hn::RebindMask(df, hn::Eq(magnitude, hn::Set(du, 0x7Fu))),
+                                       hn::Set(df, __builtin_nanf("")), values);
+    half[0] = _mm256_permutevar8x32_ps(scales.raw, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+    half[1] = _mm256_permutevar8x32_ps(scales.raw, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7));
+  }
+};
+
+inline bool HasIntDecoder(Format format) {
+  return format == Format::fp4_e2m1 || format == Format::nvfp4;
+}
 template <class F>
-HWY_INLINE void VisitIntDecoder(Format, F&& f) {
-  f.template operator()<IntE2M1>();
+HWY_INLINE void VisitIntDecoder(Format format, F&& f) {
+  if (format == Format::nvfp4) {
+    f.template operator()<IntNvfp4>();
+  } else {
+    f.template operator()<IntE2M1>();
+  }
 }
 
 #endif  // HWY_TARGET == HWY_AVX3_DL
@@ -296,7 +360,9 @@ void PrepareInt8Query(const float* HWY_RESTRICT qn, int rows, std::size_t d,
         for (std::size_t i = 0; i < Dec::kVectorBytes; ++i) {
           const auto code = static_cast<std::int32_t>(src[c0 + Dec::Channel(j, i)]);
           dst[c0 + j * Dec::kVectorBytes + i] = static_cast<std::int8_t>(code);
-          row_start[Dec::kBlockScales ? c0 / kInt8Chunk * 16 + i / 4 : 0] -= Dec::kBias * code;
+          std::size_t lane = 0;
+          if constexpr (Dec::kBlockScales) lane = c0 / kInt8Chunk * 16 + Dec::Lane(j, i);
+          row_start[lane] -= Dec::kBias * code;
         }
       }
     }
@@ -420,6 +486,31 @@ template <class Dec, int kRows>
 HWY_INLINE void Int8RowScores(const std::int8_t* HWY_RESTRICT q, std::size_t d,
                               const std::int32_t* start, const std::uint8_t* k,
                               const typename Dec::State& state, float scale, float* out) {
+  if constexpr (Dec::kBlockScales) {
+    // Each quarter's int32 lanes (blocks' sums, from the row's per-lane starts) converted and
+    // multiplied into fp32 by their blocks' scales; the lanes summed at the end.
+    const std::size_t chunks = d / kInt8Chunk;
+    float32x4_t f[kRows];
+    for (int r = 0; r < kRows; ++r) f[r] = vdupq_n_f32(0.0f);
+    for (std::size_t c = 0; c < chunks; ++c) {
+      int8x16_t x[8];
+      Dec::Decode(state, k, c, x);
+      float32x4_t scales[4];
+      Dec::QuarterScales(k, c, d, scales);
+      for (int r = 0; r < kRows; ++r) {
+        const std::int8_t* qc = q + r * d + c * kInt8Chunk;
+        const std::int32_t* first = start + (r * chunks + c) * 16;
+        for (int m = 0; m < 4; ++m) {
+          int32x4_t sums = vld1q_s32(first + 4 * m);
+          sums = vdotq_s32(sums, x[2 * m], vld1q_s8(qc + 32 * m));
+          sums = vdotq_s32(sums, x[2 * m + 1], vld1q_s8(qc + 32 * m + 16));
+          f[r] = vfmaq_f32(f[r], vcvtq_f32_s32(sums), scales[m]);
+        }
+      }
+    }
+    for (int r = 0; r < kRows; ++r) out[r] = vaddvq_f32(f[r]) * scale;
+    return;
+  }
   int32x4_t a[kRows];
   for (int r = 0; r < kRows; ++r) a[r] = vsetq_lane_s32(start[r], vdupq_n_s32(0), 0);
   for (std::size_t c = 0; c < d / kInt8Chunk; ++c) {
@@ -449,6 +540,37 @@ HWY_INLINE void Int8RowScores(const std::int8_t* HWY_RESTRICT q, std::size_t d,
                               const std::int32_t* start, const std::uint8_t* k,
                               const typename Dec::State& state, float scale, float* out) {
   const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (Dec::kBlockScales) {
+    // Each half's int32 lanes (blocks' sums, from the row's per-lane starts) converted and
+    // multiplied into fp32 by their blocks' scales; the lanes summed at the end.
+    const std::size_t chunks = d / kInt8Chunk;
+    __m256 f[kRows];
+    for (int r = 0; r < kRows; ++r) f[r] = _mm256_setzero_ps();
+    for (std::size_t c = 0; c < chunks; ++c) {
+      __m256i x[4];
+      Dec::Decode(state, k, c, x);
+      __m256 scales[2];
+      Dec::HalfScales(k, c, d, scales);
+      for (int r = 0; r < kRows; ++r) {
+        const auto* qc = reinterpret_cast<const __m256i*>(q + r * d + c * kInt8Chunk);
+        const auto* first = reinterpret_cast<const __m256i*>(start + (r * chunks + c) * 16);
+        for (int m = 0; m < 2; ++m) {
+          const __m256i pairs = _mm256_add_epi16(
+              _mm256_maddubs_epi16(x[2 * m], _mm256_loadu_si256(qc + 2 * m)),
+              _mm256_maddubs_epi16(x[2 * m + 1], _mm256_loadu_si256(qc + 2 * m + 1)));
+          const __m256i sums =
+              _mm256_add_epi32(_mm256_loadu_si256(first + m), _mm256_madd_epi16(pairs, ones));
+          f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scales[m], f[r]);
+        }
+      }
+    }
+    for (int r = 0; r < kRows; ++r) {
+      const __m128 four = _mm_add_ps(_mm256_castps256_ps128(f[r]), _mm256_extractf128_ps(f[r], 1));
+      const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+      out[r] = _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two))) * scale;
+    }
+    return;
+  }
   __m256i a[kRows];
   for (int r = 0; r < kRows; ++r) a[r] = _mm256_setr_epi32(start[r], 0, 0, 0, 0, 0, 0, 0);
   for (std::size_t c = 0; c < d / kInt8Chunk; ++c) {
@@ -496,11 +618,12 @@ HWY_NOINLINE void ScoresInt8(const std::int8_t* HWY_RESTRICT q_bytes,
     int r = 0;
     for (; r + 4 <= rows; r += 4) {
       alignas(16) float s[4];
-      Int8RowScores<Dec, 4>(q_bytes + r * d, d, start + r, k, state, scale, s);
+      Int8RowScores<Dec, 4>(q_bytes + r * d, d, start + r * StartsPerRow<Dec>(d), k, state, scale,
+                            s);
       for (int i = 0; i < 4; ++i) scores[(r + i) * stride + t] = s[i];
     }
     for (; r < rows; ++r) {
-      Int8RowScores<Dec, 1>(q_bytes + r * d, d, start + r, k, state, scale,
+      Int8RowScores<Dec, 1>(q_bytes + r * d, d, start + r * StartsPerRow<Dec>(d), k, state, scale,
                             &scores[r * stride + t]);
     }
   }
