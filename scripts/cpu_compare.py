@@ -33,13 +33,14 @@ import argparse
 import datetime
 import json
 import os
-import re
 import shutil
 import statistics
 import subprocess
 import sys
 import tarfile
 import time
+
+from result_files import file_slug, rerender_doc, unused_path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HQ, HK, D = 32, 8, 128
@@ -49,21 +50,6 @@ MIN_WORKING_SET = 1200 * 2**20
 
 def log(message: str) -> None:
     print(f"cpu_compare: {message}", file=sys.stderr, flush=True)
-
-
-def file_slug(machine: str) -> str:
-    """"Intel(R) Xeon(R) Processor" -> "intel-xeon-processor", as `mjolnir bench` names files."""
-    machine = re.sub(r"\((R|r|TM|tm)\)", "", machine)
-    return re.sub(r"[^a-z0-9]+", "-", machine.lower()).strip("-")
-
-
-def unused_path(stem: str) -> str:
-    """stem.json, or stem-2.json, ... where it exists: a run never overwrites a kept result."""
-    path, n = stem + ".json", 1
-    while os.path.exists(path):
-        n += 1
-        path = f"{stem}-{n}.json"
-    return path
 
 
 # --- ggml ---------------------------------------------------------------------------------------
@@ -332,17 +318,6 @@ def render(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-BLOCK = re.compile(r"(<!-- cpu-compare:begin (\S+) -->\n)(.*?)(<!-- cpu-compare:end -->)", re.S)
-
-
-def splice(doc: str) -> str:
-    """Every <!-- cpu-compare:begin FILE --> ... <!-- cpu-compare:end --> block re-rendered."""
-    def block(m):
-        with open(os.path.join(ROOT, m.group(2))) as f:
-            return m.group(1) + render(json.load(f)) + m.group(4)
-    return BLOCK.sub(block, doc)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", default="1,8")
@@ -363,17 +338,7 @@ def main() -> None:
     parser.add_argument("--check", action="store_true", help="with --doc: only compare")
     args = parser.parse_args()
     if args.doc:
-        with open(args.doc) as f:
-            doc = f.read()
-        new = splice(doc)
-        if args.check:
-            if new != doc:
-                print(f"{args.doc}: a comparison table differs from its results file; run "
-                      f"scripts/cpu_compare.py --doc {args.doc}", file=sys.stderr)
-                sys.exit(1)
-            return
-        with open(args.doc, "w") as f:
-            f.write(new)
+        rerender_doc(args.doc, "cpu-compare", render, args.check, "scripts/cpu_compare.py")
         return
     if args.render:
         with open(args.render) as f:

@@ -30,12 +30,13 @@ import datetime
 import json
 import os
 import platform
-import re
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+
+from result_files import file_slug, rerender_doc, unused_path
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -57,25 +58,6 @@ def machine_name() -> str:
         except OSError:
             pass
     return model
-
-
-def file_slug(machine: str) -> str:
-    """A machine's name in file-name form, as `mjolnir bench` names its files: "AMD EPYC (Zen 3)"
-    -> "amd-epyc-zen-3", "Intel(R) Xeon(R) Processor" -> "intel-xeon-processor"."""
-    machine = re.sub(r"\((R|r|TM|tm)\)", "", machine)
-    return re.sub(r"[^a-z0-9]+", "-", machine.lower()).strip("-")
-
-
-BLOCK = re.compile(r"(<!-- vllm-bench:begin (\S+) -->\n)(.*?)(<!-- vllm-bench:end -->)", re.S)
-
-
-def splice(doc: str) -> str:
-    """Every block <!-- vllm-bench:begin FILE --> ... <!-- vllm-bench:end --> re-rendered from
-    its raw results file."""
-    def block(m):
-        with open(os.path.join(ROOT, m.group(2))) as f:
-            return m.group(1) + render(json.load(f)) + m.group(4)
-    return BLOCK.sub(block, doc)
 
 
 def write_model(path: str, layers: int, max_len: int) -> None:
@@ -307,16 +289,6 @@ def render(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def unused_path(stem: str) -> str:
-    """stem.json, or stem-2.json, stem-3.json, ... where it exists: a run without --json never
-    overwrites a kept result (the same day and machine run more than once)."""
-    path, n = stem + ".json", 1
-    while os.path.exists(path):
-        n += 1
-        path = f"{stem}-{n}.json"
-    return path
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -336,17 +308,7 @@ def main() -> None:
                         help="with --doc: fail if a table differs from its file's")
     args = parser.parse_args()
     if args.doc:
-        with open(args.doc) as f:
-            doc = f.read()
-        new = splice(doc)
-        if args.check:
-            if new != doc:
-                print(f"{args.doc}: a vLLM table differs from its results file; run "
-                      f"scripts/vllm_bench.py --doc {args.doc}", file=sys.stderr)
-                sys.exit(1)
-            return
-        with open(args.doc, "w") as f:
-            f.write(new)
+        rerender_doc(args.doc, "vllm-bench", render, args.check, "scripts/vllm_bench.py")
         return
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
