@@ -138,12 +138,11 @@ class VllmOp:
         blocks = copies * batch * blocks_per_seq
         # Random rows, repeated: the op's time does not depend on the values, and filling GiBs
         # with torch.randn would take longer than the timing.
-        cache = torch.empty(blocks, HK, self.BLOCK, 2 * D,
-                            dtype=torch.bfloat16 if dtype == "bf16" else torch.uint8)
-        pool = torch.randn(HK, self.BLOCK, 2 * D).to(torch.bfloat16)
-        cache.copy_(pool.view(cache.dtype).expand_as(cache) if dtype == "bf16" else
-                    torch.randint(0, 120, (HK, self.BLOCK, 2 * D), dtype=torch.uint8)
-                    .expand_as(cache))
+        shape = (HK, self.BLOCK, 2 * D)
+        pool = (torch.randn(shape).to(torch.bfloat16) if dtype == "bf16" else
+                torch.randint(0, 120, shape, dtype=torch.uint8))  # finite e4m3 codes
+        cache = torch.empty(blocks, *shape, dtype=pool.dtype)
+        cache.copy_(pool.expand_as(cache))
         kc, vc = cache.view(blocks, HK, 2 * self.BLOCK, D).chunk(2, dim=2)
         tables = [torch.arange(c * batch * blocks_per_seq, (c + 1) * batch * blocks_per_seq,
                                dtype=torch.int32).reshape(batch, -1) for c in range(copies)]

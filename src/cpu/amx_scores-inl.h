@@ -198,11 +198,7 @@ HWY_NOINLINE void ScoresAmx(const std::uint16_t* HWY_RESTRICT q_tiles, int rows,
       std::uint16_t* dst = keys + std::size_t(t) * d;
       for (std::size_t c = 0; c < d / kDotChunk; ++c) {
         Words x0, x1;
-        if constexpr (std::is_same_v<Dot, DotNvfp4>) {
-          Dot::DecodeScaled(k, c, d, x0, x1);
-        } else {
-          Dot::Decode(state, k, c, x0, x1);
-        }
+        DecodeTrueWords<Dot>(state, k, c, d, x0, x1);
         hn::Store(x0, dw, dst + c * kDotChunk);
         hn::Store(x1, dw, dst + c * kDotChunk + 32);
       }

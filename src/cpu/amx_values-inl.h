@@ -101,15 +101,8 @@ HWY_INLINE void ValuePairs(const typename Dot::State& state, const std::uint8_t*
                            Words pairs[4]) {
   const WordTag dw;
   Words a0, a1, b0 = hn::Zero(dw), b1 = hn::Zero(dw);
-  const auto decode = [&](const std::uint8_t* row, Words& x0, Words& x1) {
-    if constexpr (std::is_same_v<Dot, DotNvfp4>) {
-      Dot::DecodeScaled(row, c, d, x0, x1);
-    } else {
-      Dot::Decode(state, row, c, x0, x1);
-    }
-  };
-  decode(bases[t] + offset, a0, a1);
-  if (t + 1 < count) decode(bases[t + 1] + offset, b0, b1);
+  DecodeTrueWords<Dot>(state, bases[t] + offset, c, d, a0, a1);
+  if (t + 1 < count) DecodeTrueWords<Dot>(state, bases[t + 1] + offset, c, d, b0, b1);
   pairs[0].raw = _mm512_unpacklo_epi16(a0.raw, b0.raw);
   pairs[1].raw = _mm512_unpackhi_epi16(a0.raw, b0.raw);
   pairs[2].raw = _mm512_unpacklo_epi16(a1.raw, b1.raw);

@@ -304,21 +304,12 @@ struct IntNvfp4 : IntE2M1 {
   static constexpr bool kBlockScales = true;
   static constexpr std::size_t Lane(std::size_t j, std::size_t i) { return 8 * (j / 2) + i / 4; }
   // half[m] lane l: the true value of the scale of block 8 chunk + 4 m + l / 2 of a row of d
-  // channels: the chunk's 8 scale codes decoded at once (DecodeE4M3's fp16 placement and F16C
-  // conversion, value times 2^-8, times 2^8; S.1111.111 is NaN), each lane then doubled.
+  // channels: the chunk's 8 scale codes decoded at once (E4M3Values), each lane then doubled.
   static HWY_INLINE void HalfScales(const std::uint8_t* row, std::size_t chunk, std::size_t d,
                                     __m256 half[2]) {
     const hn::Full256<float> df;
-    const hn::RebindToUnsigned<decltype(df)> du;
     const hn::Rebind<std::uint8_t, decltype(df)> d8;
-    const hn::Rebind<std::int16_t, decltype(df)> d16;
-    static_assert(DecodeE4M3::kRawExp == -8);
-    const auto codes = hn::LoadU(d8, row + d / 2 + 8 * chunk);  // the chunk's 8 blocks
-    const auto wide = hn::PromoteTo(d16, hn::BitCast(hn::RebindToSigned<decltype(d8)>(), codes));
-    const auto values = hn::Mul(DecodeE4M3::Get<0>(df, wide, hn::Zero(df)), hn::Set(df, 0x1p8f));
-    const auto magnitude = hn::And(hn::PromoteTo(du, codes), hn::Set(du, 0x7Fu));
-    const auto scales = hn::IfThenElse(hn::RebindMask(df, hn::Eq(magnitude, hn::Set(du, 0x7Fu))),
-                                       hn::Set(df, __builtin_nanf("")), values);
+    const auto scales = E4M3Values(df, hn::LoadU(d8, row + d / 2 + 8 * chunk));  // 8 blocks
     half[0] = _mm256_permutevar8x32_ps(scales.raw, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
     half[1] = _mm256_permutevar8x32_ps(scales.raw, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7));
   }

@@ -171,6 +171,22 @@ struct DecodeFp8Half {
 using DecodeE4M3 = DecodeFp8Half<7, 0xBF80u, -8>;
 // s.eeeee.mm is the high byte of the fp16 of the same value: no mask, true values.
 using DecodeE5M2 = DecodeFp8Half<8, 0xFFFFu, 0>;
+
+// The true values of e4m3 codes, one a lane: nvfp4's block scales for the kernels that multiply
+// blocks' sums by them. DecodeE4M3's fp16 placement and conversion (value times 2^-8, no fp32
+// subnormal for an Intel FMA to take an assist on), times 2^8; S.1111.111 is NaN.
+template <class DF>
+HWY_INLINE hn::Vec<DF> E4M3Values(DF df, hn::Vec<hn::Rebind<std::uint8_t, DF>> codes) {
+  const hn::RebindToUnsigned<DF> du;
+  const hn::Rebind<std::int16_t, DF> d16;
+  const hn::Rebind<std::int8_t, DF> d8;
+  static_assert(DecodeE4M3::kRawExp == -8);
+  const auto wide = hn::PromoteTo(d16, hn::BitCast(d8, codes));
+  const auto values = hn::Mul(DecodeE4M3::Get<0>(df, wide, hn::Zero(df)), hn::Set(df, 0x1p8f));
+  const auto magnitude = hn::And(hn::PromoteTo(du, codes), hn::Set(du, 0x7Fu));
+  return hn::IfThenElse(hn::RebindMask(df, hn::Eq(magnitude, hn::Set(du, 0x7Fu))),
+                        hn::Set(df, __builtin_nanf("")), values);
+}
 #else
 #define MJOLNIR_FP8_HALF 0
 // s.eeee.mmm -> fp32 bits 31 | 26..23 | 22..20: 2^(e-127) (1.m) for a true 2^(e-7) (1.m), and

@@ -26,6 +26,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "core/format_table.h"
 #include "core/minifloat.h"
@@ -165,21 +166,11 @@ struct DotNvfp4 : DotE2M1 {
   // the row).
   static HWY_INLINE hn::Vec<WideFloatTag> GroupScales(const std::uint8_t* row, std::size_t group,
                                                       std::size_t d) {
-    const WideFloatTag df;
-    const hn::RebindToUnsigned<WideFloatTag> du;
     const hn::Rebind<std::uint8_t, WideFloatTag> d8;
-    const hn::Rebind<std::int16_t, WideFloatTag> d16;
     const std::size_t blocks = d / kNvfp4BlockSize - 16 * group;
     const auto mask = static_cast<__mmask16>(blocks >= 16 ? 0xFFFFu : (1u << blocks) - 1);
     const hn::Vec<decltype(d8)> codes{_mm_maskz_loadu_epi8(mask, row + d / 2 + 16 * group)};
-    // DecodeE4M3's fp16 placement and F16C conversion (kv_decode-inl.h: value times 2^-8, no
-    // fp32 subnormal for an Intel FMA to take an assist on), times 2^8. S.1111.111 is NaN.
-    static_assert(DecodeE4M3::kRawExp == -8);
-    const auto wide = hn::PromoteTo(d16, hn::BitCast(hn::RebindToSigned<decltype(d8)>(), codes));
-    const auto values = hn::Mul(DecodeE4M3::Get<0>(df, wide, hn::Zero(df)), hn::Set(df, 0x1p8f));
-    const auto magnitude = hn::And(hn::PromoteTo(du, codes), hn::Set(du, 0x7Fu));
-    return hn::IfThenElse(hn::RebindMask(df, hn::Eq(magnitude, hn::Set(du, 0x7Fu))),
-                          hn::Set(df, __builtin_nanf("")), values);
+    return E4M3Values(WideFloatTag(), codes);  // kv_decode-inl.h
   }
   // Lane i: the scale of block 4 (chunk % 4) + i / 4 of GroupScales(row, chunk / 4, d).
   static HWY_INLINE hn::Vec<WideFloatTag> ChunkScales(hn::Vec<WideFloatTag> group_scales,
@@ -222,6 +213,19 @@ struct DotNvfp4 : DotE2M1 {
     x1.raw = _mm512_permutex2var_epi16(blocks01, high, blocks23);
   }
 };
+
+// Chunk c's true values as bf16 words, whatever the format: Decode's, and nvfp4's times their
+// block scales (DecodeScaled). For the users that cannot scale blocks' sums afterwards: the AMX
+// tiles, which sum across blocks, and P . V over key pairs.
+template <class Dot>
+HWY_INLINE void DecodeTrueWords(const typename Dot::State& state, const std::uint8_t* row,
+                                std::size_t chunk, std::size_t d, Words& x0, Words& x1) {
+  if constexpr (std::is_same_v<Dot, DotNvfp4>) {
+    Dot::DecodeScaled(row, chunk, d, x0, x1);
+  } else {
+    Dot::Decode(state, row, chunk, x0, x1);
+  }
+}
 
 // fp6 (e2m3, e3m2): 64 codes (48 bytes, one masked load that reads nothing past them) per
 // chunk, natural order. For each vector of 32 words, vpermb brings the two bytes that hold a
