@@ -52,19 +52,46 @@ std::string amd_zen_generation(int family, int model) {
   }
 }
 
+std::string intel_xeon_generation(int family, int model) {
+  if (family != 6) return "";
+  switch (model) {
+    case 0x55:
+      return "Skylake-SP";  // and Cascade Lake, Cooper Lake: the same model number
+    case 0x6A:
+    case 0x6C:
+      return "Ice Lake";
+    case 0x8F:
+      return "Sapphire Rapids";
+    case 0xCF:
+      return "Emerald Rapids";
+    case 0xAD:
+    case 0xAE:
+      return "Granite Rapids";
+    default:
+      return "";
+  }
+}
+
 std::string cpu_model_name() {
   // x86 says "model name"; some Arm kernels only give "Hardware".
   std::string name = cpuinfo_value("model name");
   if (name.empty()) name = cpuinfo_value("Hardware");
   if (name.empty()) return "unknown";
-  if (cpuinfo_value("vendor_id") == "AuthenticAMD") {
-    try {
-      const std::string zen = amd_zen_generation(std::stoi(cpuinfo_value("cpu family")),
-                                                 std::stoi(cpuinfo_value("model")));
-      if (!zen.empty()) name += " (" + zen + ")";
-    } catch (const std::exception&) {  // no family or model: the name alone
+  const std::string vendor = cpuinfo_value("vendor_id");
+  std::string generation;
+  try {
+    const int family = std::stoi(cpuinfo_value("cpu family"));
+    const int model = std::stoi(cpuinfo_value("model"));
+    if (vendor == "AuthenticAMD") generation = amd_zen_generation(family, model);
+    // Virtual machines often say only "Intel(R) Xeon(R) Processor": the generation (AMX or not,
+    // the cores' width) tells results files apart.
+    if (vendor == "GenuineIntel" && name.find("Xeon") != std::string::npos &&
+        name.find("Lake") == std::string::npos && name.find("Rapids") == std::string::npos) {
+      generation = intel_xeon_generation(family, model);
     }
+  } catch (const std::exception&) {  // no family or model: the name alone
   }
+  if (!generation.empty()) name += " (" + generation + ")";
   return name;
 }
 

@@ -15,6 +15,9 @@ std::string cpu_model_name();
 // The Zen generation of an AMD CPU family and model (/proc/cpuinfo's "cpu family" and "model",
 // decimal there): "Zen" .. "Zen 5", or "" for a family before Zen or not known here.
 std::string amd_zen_generation(int family, int model);
+// The generation of an Intel Xeon from its family and model ("Skylake-SP" .. "Granite Rapids"),
+// or "" for one not known here; cpu_model_name adds it where the name does not say it.
+std::string intel_xeon_generation(int family, int model);
 // Hardware threads this process may run on (at least 1).
 int hardware_threads();
 // MemAvailable from /proc/meminfo in bytes; 0 when it cannot be read.
