@@ -548,8 +548,8 @@ verify::Case QkCase(Format format, int d, int g, int q_len, int index, std::uint
 }
 
 // Q . K in integers (Q mode int8 against fp4_e2m1, fp6_e2m3 and nvfp4 codes with AVX-512 VNNI,
-// fp4_e2m1 on AVX2 and Arm's sdot) against the emulator on every target that has them, and the
-// rest on the other paths:
+// AVX2 and Arm's sdot) against the emulator on every target that has them, and the rest on the
+// other paths:
 // group sizes and q_len that exercise the 4-row blocks, leftover rows and key groups of fewer than
 // 4, D of 1 and 2 chunks of 128 channels (and 64 and 192, which stay on the other paths), every
 // scale granularity and layout, split or not, P in fp32 and bf16 (rounded from the kernel's own
@@ -564,11 +564,10 @@ TEST_P(CpuKernelMatrix, Int8DotMatchesEmulator) {
   // From 8 query rows the AMX tiles take Q . K where the CPU has them; not here.
   const auto backend =
       make_backend("cpu", BackendOptions{.threads = 2, .cpu_kernels = {.amx = false}});
-  // fp4_e2m1 and nvfp4 on every target with integer dot products, fp6_e2m3 with VNNI.
-  const bool vnni = cpu::kernel_target() == "AVX3_DL";
-  const auto in_integers = [&](Format format) {
-    return format == Format::fp4_e2m1 || format == Format::nvfp4 ||
-           (vnni && format == Format::fp6_e2m3);
+  // fp4_e2m1, fp6_e2m3 and nvfp4 on every target with integer dot products (fp6_e3m2's codes do
+  // not fit a byte).
+  const auto in_integers = [](Format format) {
+    return format == Format::fp4_e2m1 || format == Format::fp6_e2m3 || format == Format::nvfp4;
   };
   std::mt19937_64 rng(mjolnir::testing::test_seed() + 37);
   const int shapes[][2] = {{1, 1}, {4, 1}, {8, 1}, {3, 2}, {4, 4}, {5, 3}, {16, 2}};
@@ -778,7 +777,6 @@ TEST(CpuInt8Dot, AutoModesPickInt8WhereItRuns) {
   EXPECT_EQ(cpu::int8_dot_applies(Format::fp4_e2m1, 128), cpu::cpu_has_int8_dot());
   const auto backend = make_backend("cpu", BackendOptions{.threads = 1});
   const bool tiles = cpu::cpu_has_amx() && cpu::cpu_has_bf16_dot();
-  const bool vnni = cpu::kernel_target() == "AVX3_DL";
   for (const Format format : kAllFormats) {
     for (const int d : {64, 128, 256}) {
       for (const int rows : {1, 4, 8, 32}) {
@@ -786,10 +784,10 @@ TEST(CpuInt8Dot, AutoModesPickInt8WhereItRuns) {
         const mjolnir::NumericsModes modes = backend->auto_modes(geometry, rows, true);
         const bool amx_scores =
             rows >= 8 && tiles && format != Format::fp16 && d % 64 == 0;  // bf16_dot_applies
-        // fp4_e2m1 and nvfp4 on every target with integer dot products; fp6_e2m3 with VNNI.
+        // fp4_e2m1, fp6_e2m3 and nvfp4 on every target with integer dot products.
         const bool int8 = cpu::cpu_has_int8_dot() && d % 128 == 0 && !amx_scores &&
-                          (format == Format::fp4_e2m1 || format == Format::nvfp4 ||
-                           (vnni && format == Format::fp6_e2m3));
+                          (format == Format::fp4_e2m1 || format == Format::fp6_e2m3 ||
+                           format == Format::nvfp4);
         EXPECT_EQ(modes.q_mode, int8 ? QMode::int8 : QMode::bf16)
             << to_string(format) << " D " << d << " rows " << rows;
       }

@@ -89,9 +89,9 @@ class CpuBackend final : public Backend {
   // docs/accuracy.md). P in bf16 where P . V then runs on AMX tiles (8 query rows or more: 2-3x
   // faster prefill; error 1.00-1.01x of fp32 P's for the 8-bit and smaller formats, 1.01-1.19x
   // for bf16); elsewhere P in fp32, which decodes 5-15% faster than bf16 P on the FMAs. Q in
-  // int8 where Q . K then runs in integers (fp4_e2m1, fp6_e2m3, nvfp4 on VNNI, fp4_e2m1 on AVX2,
-  // below the AMX tiles' rows): 1.26-1.36x faster decode steps on VNNI, error 1.00-1.06x of fp32
-  // Q's (docs/cpu-experiments.md, docs/accuracy.md).
+  // int8 where Q . K then runs in integers (fp4_e2m1, fp6_e2m3, nvfp4 on VNNI, AVX2 and Arm's
+  // sdot, below the AMX tiles' rows): 1.26-1.36x faster decode steps on VNNI, error 1.00-1.06x of
+  // fp32 Q's (docs/cpu-experiments.md, docs/accuracy.md).
   NumericsModes auto_modes(const CacheGeometry& geometry, int max_tile_rows,
                            bool bf16_queries) const override {
     NumericsModes modes;

@@ -12,7 +12,7 @@
 // The sums are converted to fp32 (exact: |sum| < 2^24) and reduced like the other blocks' sums,
 // then times the kernel's scale (the score scale / factor): the emulator's scores bit for bit.
 // The AVX3_DL target runs it on CPUs with AVX512_VNNI (Ice Lake and later, Zen 4 and later); the
-// AVX2 and AVX3 targets, which have no vpdpbusd, run fp4_e2m1 and nvfp4 with vpmaddubsw and
+// AVX2 and AVX3 targets, which have no vpdpbusd, run the same formats with vpmaddubsw and
 // vpmaddwd, and the Arm targets (NEON, SVE, SVE2) with sdot on CPUs with the dot-product
 // extension (at the end of this file). It applies from 128 channels a chunk (D a multiple of 128).
 // Per-target header, see kv_decode-inl.h.
@@ -88,6 +88,14 @@ struct E2M1Integers {
   static constexpr IntCodeTable<kE2M1Spec, kFactor, kBias> kTable{};
 };
 
+// e2m3's integers: codes times 8 (-60..60), plus 60, as unsigned bytes (0..120: also valid signed
+// bytes, for Arm's sdot).
+struct E2M3Integers {
+  static constexpr int kFactor = 8, kBias = 60;
+  static constexpr bool kBlockScales = false;
+  static constexpr IntCodeTable<kE2M3Spec, kFactor, kBias> kTable{};
+};
+
 #if HWY_TARGET == HWY_AVX3_DL
 
 // True when this CPU executes vpdpbusd (Highway 1.0.3's AVX3_DL does not require it).
@@ -119,9 +127,7 @@ struct IntE2M1 : E2M1Integers {
 // 6 c, so each 8 codes fill 6 bytes: vpermb spreads them to a qword each, vpmultishiftqb moves
 // code k of a qword to its byte k, and vpermb looks the low 6 bits up (4 ops per 64 channels, in
 // natural order; e3m2, up to 28 x 16, does not fit a byte).
-struct IntE2M3 {
-  static constexpr int kFactor = 8, kBias = 60;
-  static constexpr bool kBlockScales = false;
+struct IntE2M3 : E2M3Integers {
   static constexpr std::size_t kVectors = 2, kVectorBytes = 64;
   struct State {
     __m512i table, spread, shifts;
@@ -138,7 +144,6 @@ struct IntE2M3 {
     }
   };
   static HWY_INLINE State MakeState() {
-    static constexpr IntCodeTable<kE2M3Spec, kFactor, kBias> kTable;
     static constexpr Layout kLayout;
     return {_mm512_load_si512(kTable.bytes.data()), _mm512_load_si512(kLayout.spread.data()),
             _mm512_load_si512(kLayout.shifts.data())};
@@ -181,22 +186,6 @@ struct IntNvfp4 : IntE2M1 {
                                 hn::IndicesFromVec(df, lanes));
   }
 };
-
-// The formats with an integer decoder.
-inline bool HasIntDecoder(Format format) {
-  return format == Format::fp4_e2m1 || format == Format::fp6_e2m3 || format == Format::nvfp4;
-}
-// Calls f.template operator()<Dec>() with the integer decoder of `format` (HasIntDecoder).
-template <class F>
-HWY_INLINE void VisitIntDecoder(Format format, F&& f) {
-  if (format == Format::fp6_e2m3) {
-    f.template operator()<IntE2M3>();
-  } else if (format == Format::nvfp4) {
-    f.template operator()<IntNvfp4>();
-  } else {
-    f.template operator()<IntE2M1>();
-  }
-}
 
 #elif MJOLNIR_INT8_DOT_ARM
 
@@ -251,17 +240,35 @@ struct IntNvfp4 : IntE2M1 {
   }
 };
 
-inline bool HasIntDecoder(Format format) {
-  return format == Format::fp4_e2m1 || format == Format::nvfp4;
-}
-template <class F>
-HWY_INLINE void VisitIntDecoder(Format format, F&& f) {
-  if (format == Format::nvfp4) {
-    f.template operator()<IntNvfp4>();
-  } else {
-    f.template operator()<IntE2M1>();
+// fp6 e2m3: each 3 bytes of a row hold 4 codes (code c at bit 6 c). vld3q_u8 splits 48 bytes into
+// the groups' first, second and third bytes, shifts and inserts take each group's 4 codes, and
+// one 64-byte table lookup (vqtbl4q_u8) their integers: vector 4 h + k holds code k of the 16
+// groups of half h of the chunk.
+struct IntE2M3 : E2M3Integers {
+  static constexpr std::size_t kVectors = 8, kVectorBytes = 16;
+  struct State {
+    uint8x16x4_t table;
+  };
+  static HWY_INLINE State MakeState() { return {vld1q_u8_x4(kTable.bytes.data())}; }
+  static HWY_INLINE void Decode(const State& s, const std::uint8_t* row, std::size_t chunk,
+                                int8x16_t (&x)[8]) {
+    const uint8x16_t low6 = vdupq_n_u8(0x3F);
+    for (int h = 0; h < 2; ++h) {
+      const uint8x16x3_t b = vld3q_u8(row + chunk * 96 + 48 * h);
+      const uint8x16_t codes[4] = {vandq_u8(b.val[0], low6),
+                                   vandq_u8(vsliq_n_u8(vshrq_n_u8(b.val[0], 6), b.val[1], 2), low6),
+                                   vandq_u8(vsliq_n_u8(vshrq_n_u8(b.val[1], 4), b.val[2], 4), low6),
+                                   vshrq_n_u8(b.val[2], 2)};
+      for (int k = 0; k < 4; ++k) {
+        x[4 * h + k] = vreinterpretq_s8_u8(vqtbl4q_u8(s.table, codes[k]));
+      }
+    }
   }
-}
+  // Channel (within its chunk) of byte i of vector j.
+  static constexpr std::size_t Channel(std::size_t j, std::size_t i) {
+    return 64 * (j / 4) + 4 * i + j % 4;
+  }
+};
 
 #else  // AVX2, and AVX-512 without VNNI (the AVX3 target)
 
@@ -315,19 +322,88 @@ struct IntNvfp4 : IntE2M1 {
   }
 };
 
+// fp6 e2m3: each 3 bytes of a row hold 4 codes (code c at bit 6 c). Vector j of a chunk takes its
+// 24 bytes (codes 32 j ..) in one load, vpermd puts 12 of them in each 128-bit half, vpshufb
+// spreads each 3 bytes b0 b1 b2 to a dword b0 b1 b1 b2, and one vpmullw and one vpmulhuw move
+// each code to a byte of its own (in the order 1 0 3 2 within the dword). The integers: the
+// magnitude by two vpshufb (the exponent's high bit clear, set) and a blend on that bit, the sign
+// by vpsignb, then the bias: 15 ops for 32 channels.
+struct IntE2M3 : E2M3Integers {
+  static constexpr std::size_t kVectors = 4, kVectorBytes = 32;
+  struct State {
+    __m256i magnitude_low, magnitude_high;
+  };
+  // Magnitudes times 8 of codes 0..15 and 16..31 (codes 32..63 are their negatives), in both
+  // 128-bit halves.
+  struct Magnitudes {
+    alignas(32) std::array<std::uint8_t, 32> low{}, high{};
+    constexpr Magnitudes() {
+      for (std::uint32_t i = 0; i < 32; ++i) {
+        const float value = decode_minifloat<kE2M3Spec>(i) * kFactor;
+        if (decode_minifloat<kE2M3Spec>(i + 32) * kFactor != -value) throw "bit 5 is not the sign";
+        (i < 16 ? low : high)[i % 16] = (i < 16 ? low : high)[i % 16 + 16] =
+            static_cast<std::uint8_t>(value);
+      }
+    }
+  };
+  static HWY_INLINE State MakeState() {
+    static constexpr Magnitudes kMagnitudes;
+    return {_mm256_load_si256(reinterpret_cast<const __m256i*>(kMagnitudes.low.data())),
+            _mm256_load_si256(reinterpret_cast<const __m256i*>(kMagnitudes.high.data()))};
+  }
+  static HWY_INLINE void Decode(const State& s, const std::uint8_t* row, std::size_t chunk,
+                                __m256i (&x)[4]) {
+    const std::uint8_t* bytes = row + chunk * 96;
+    // Vector 0 loads from its first byte, the others from 8 bytes before theirs, so that no load
+    // reads past the chunk: their 24 bytes are dwords 0..5 and 2..7 of the load.
+    const __m256i first = _mm256_setr_epi32(0, 1, 2, 0, 3, 4, 5, 0);
+    const __m256i later = _mm256_setr_epi32(2, 3, 4, 0, 5, 6, 7, 0);
+    const __m256i spread = _mm256_setr_epi8(0, 1, 1, 2, 3, 4, 4, 5, 6, 7, 7, 8, 9, 10, 10, 11, 0, 1,
+                                            1, 2, 3, 4, 4, 5, 6, 7, 7, 8, 9, 10, 10, 11);
+    // Per dword (words b0 b1 and b1 b2): code 0 (bits 0..5 of the first word) times 256 and code
+    // 2 (bits 4..9 of the second) times 16 by vpmullw, to bits 8..13; code 1 (bits 6..11) and
+    // code 3 (bits 10..15) by vpmulhuw, to bits 0..5.
+    const __m256i low_codes = _mm256_set1_epi32(0x03F0003F);
+    const __m256i low_shifts = _mm256_set1_epi32(0x00100100);
+    const __m256i high_codes = _mm256_set1_epi32(static_cast<int>(0xFC000FC0u));
+    const __m256i high_shifts = _mm256_set1_epi32(0x00400400);
+    for (int j = 0; j < 4; ++j) {
+      const __m256i loaded =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + (j == 0 ? 0 : 24 * j - 8)));
+      const __m256i groups =
+          _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(loaded, j == 0 ? first : later), spread);
+      const __m256i codes =
+          _mm256_or_si256(_mm256_mullo_epi16(_mm256_and_si256(groups, low_codes), low_shifts),
+                          _mm256_mulhi_epu16(_mm256_and_si256(groups, high_codes), high_shifts));
+      // Bit 4 (the exponent's high bit) and bit 5 (the sign) of each code moved to bit 7.
+      const __m256i magnitude = _mm256_blendv_epi8(_mm256_shuffle_epi8(s.magnitude_low, codes),
+                                                   _mm256_shuffle_epi8(s.magnitude_high, codes),
+                                                   _mm256_slli_epi16(codes, 3));
+      x[j] = _mm256_add_epi8(_mm256_sign_epi8(magnitude, _mm256_slli_epi16(codes, 2)),
+                             _mm256_set1_epi8(kBias));
+    }
+  }
+  // Channel (within its chunk) of byte i of vector j.
+  static constexpr std::size_t Channel(std::size_t j, std::size_t i) { return 32 * j + (i ^ 1); }
+};
+
+#endif  // HWY_TARGET == HWY_AVX3_DL
+
+// The formats with an integer decoder (on every target with integer dot products).
 inline bool HasIntDecoder(Format format) {
-  return format == Format::fp4_e2m1 || format == Format::nvfp4;
+  return format == Format::fp4_e2m1 || format == Format::fp6_e2m3 || format == Format::nvfp4;
 }
+// Calls f.template operator()<Dec>() with the integer decoder of `format` (HasIntDecoder).
 template <class F>
 HWY_INLINE void VisitIntDecoder(Format format, F&& f) {
-  if (format == Format::nvfp4) {
+  if (format == Format::fp6_e2m3) {
+    f.template operator()<IntE2M3>();
+  } else if (format == Format::nvfp4) {
     f.template operator()<IntNvfp4>();
   } else {
     f.template operator()<IntE2M1>();
   }
 }
-
-#endif  // HWY_TARGET == HWY_AVX3_DL
 
 // int32 starts a row keeps (PrepareInt8Query): one, or 16 lanes per chunk with block scales.
 template <class Dec>
@@ -523,15 +599,19 @@ HWY_INLINE void Int8RowScores(const std::int8_t* HWY_RESTRICT q, std::size_t d,
 #else  // AVX2 and AVX3
 
 // The scores (scale times the sums) of kRows query rows (q_bytes d apart, starting at start[0 ..
-// kRows)) for one key: each chunk decoded once for all of them, then per row 4 vpmaddubsw (each
-// int16 lane at most 2 x 24 x 127; the four together below 2^15) and one vpmaddwd into the int32
-// lanes, which are summed (4 rows by three vphaddd).
+// kRows)) for one key: each chunk decoded once for all of them, then per row 4 vpmaddubsw and
+// vpmaddwd into the int32 lanes, which are summed (4 rows by three vphaddd). A vpmaddubsw int16
+// lane is at most 2 x 2 kBias x 127: for e2m1 (2 x 24 x 127) the four add up below 2^15 and take
+// one vpmaddwd; for e2m3 (2 x 120 x 127) each takes its own.
 template <class Dec, int kRows>
 HWY_INLINE void Int8RowScores(const std::int8_t* HWY_RESTRICT q, std::size_t d,
                               const std::int32_t* start, const std::uint8_t* k,
                               const typename Dec::State& state, float scale, float* out) {
   const __m256i ones = _mm256_set1_epi16(1);
+  constexpr int kLaneMax = 2 * 2 * Dec::kBias * 127;  // of one vpmaddubsw's int16 lanes
+  static_assert(kLaneMax < 32768, "vpmaddubsw would saturate");
   if constexpr (Dec::kBlockScales) {
+    static_assert(2 * kLaneMax < 32768, "two vpmaddubsw are added in int16");
     // Each half's int32 lanes (blocks' sums, from the row's per-lane starts) converted and
     // multiplied into fp32 by their blocks' scales; the lanes summed at the end.
     const std::size_t chunks = d / kInt8Chunk;
@@ -569,11 +649,17 @@ HWY_INLINE void Int8RowScores(const std::int8_t* HWY_RESTRICT q, std::size_t d,
     Dec::Decode(state, k, c, x);
     for (int r = 0; r < kRows; ++r) {
       const auto* qc = reinterpret_cast<const __m256i*>(q + r * d + c * kInt8Chunk);
-      const __m256i s01 = _mm256_add_epi16(_mm256_maddubs_epi16(x[0], _mm256_loadu_si256(qc)),
-                                           _mm256_maddubs_epi16(x[1], _mm256_loadu_si256(qc + 1)));
-      const __m256i s23 = _mm256_add_epi16(_mm256_maddubs_epi16(x[2], _mm256_loadu_si256(qc + 2)),
-                                           _mm256_maddubs_epi16(x[3], _mm256_loadu_si256(qc + 3)));
-      a[r] = _mm256_add_epi32(a[r], _mm256_madd_epi16(_mm256_add_epi16(s01, s23), ones));
+      __m256i products[4];
+      for (int j = 0; j < 4; ++j) {
+        products[j] = _mm256_maddubs_epi16(x[j], _mm256_loadu_si256(qc + j));
+      }
+      if constexpr (4 * kLaneMax < 32768) {
+        const __m256i s01 = _mm256_add_epi16(products[0], products[1]);
+        const __m256i s23 = _mm256_add_epi16(products[2], products[3]);
+        a[r] = _mm256_add_epi32(a[r], _mm256_madd_epi16(_mm256_add_epi16(s01, s23), ones));
+      } else {
+        for (const __m256i& p : products) a[r] = _mm256_add_epi32(a[r], _mm256_madd_epi16(p, ones));
+      }
     }
   }
   if constexpr (kRows == 4) {
