@@ -785,9 +785,9 @@ TEST(CpuInt8Dot, AutoModesPickInt8WhereItRuns) {
         const bool amx_scores =
             rows >= 8 && tiles && format != Format::fp16 && d % 64 == 0;  // bf16_dot_applies
         // fp4_e2m1, fp6_e2m3 and nvfp4 on every target with integer dot products.
-        const bool int8 = cpu::cpu_has_int8_dot() && d % 128 == 0 && !amx_scores &&
-                          (format == Format::fp4_e2m1 || format == Format::fp6_e2m3 ||
-                           format == Format::nvfp4);
+        const bool int8 =
+            cpu::cpu_has_int8_dot() && d % 128 == 0 && !amx_scores &&
+            (format == Format::fp4_e2m1 || format == Format::fp6_e2m3 || format == Format::nvfp4);
         EXPECT_EQ(modes.q_mode, int8 ? QMode::int8 : QMode::bf16)
             << to_string(format) << " D " << d << " rows " << rows;
       }
