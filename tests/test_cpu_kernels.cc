@@ -601,6 +601,43 @@ TEST_P(CpuKernelMatrix, Int8DotMatchesEmulator) {
   }
 }
 
+// Units of many query rows decode each K and V row once per tile (kernel_paths-inl.h,
+// kDecodeOnceRows) and their blocks of rows load the decoded vectors: the scores and O must be
+// what decoding in registers gives, so the emulator's within the modes' tolerances, at 4 rows (in
+// registers), 16 and 32 (decoded once; g 16 x q_len 2 has leftover keys in its 4-key groups), for
+// Q in int8 (the keys, AVX3_DL) and fp32, with each format's decoder. decoded_once() says which
+// rows this target decodes once; the path counts check the kernel took that path.
+TEST_P(CpuKernelMatrix, DecodeOnceMatchesEmulator) {
+  const auto backend =
+      make_backend("cpu", BackendOptions{.threads = 2, .cpu_kernels = {.amx = false}});
+  std::mt19937_64 rng(mjolnir::testing::test_seed() + 41);
+  const int shapes[][2] = {{4, 1}, {4, 4}, {16, 2}};
+  int index = 0;
+  for (const Format format : kAllFormats) {
+    for (const QMode q_mode : {QMode::fp32, QMode::int8}) {
+      for (const auto [g, q_len] : shapes) {
+        verify::Case c = QkCase(format, 128, g, q_len, index, rng());
+        if (!runs_case(index++)) continue;
+        c.spec.params.q_mode = q_mode;
+        const cpu::DecodedOnce once = cpu::decoded_once(format, q_mode, g * q_len, 128);
+        const cpu::KernelPathCounts before = cpu::kernel_path_counts(*backend);
+        const verify::CaseResult r = verify::run_case(c, *backend);
+        EXPECT_NE(r.status, verify::CaseResult::Status::failed) << c.name() << ": " << r.message;
+        const cpu::KernelPathCounts after = cpu::kernel_path_counts(*backend);
+        EXPECT_EQ(after.decoded_keys > before.decoded_keys, once.keys) << c.name();
+        EXPECT_EQ(after.decoded_values > before.decoded_values, once.values) << c.name();
+        if (g * q_len < 16) EXPECT_FALSE(once.keys || once.values) << c.name();
+      }
+    }
+  }
+  // fp6_e2m3's V is decoded once from 16 rows on every SIMD target (the portable ones have no
+  // tiles of rows).
+  const std::string target = cpu::kernel_target();
+  if (target != "EMU128" && target != "SCALAR") {
+    EXPECT_TRUE(cpu::decoded_once(Format::fp6_e2m3, QMode::fp32, 16, 128).values);
+  }
+}
+
 TEST_P(CpuKernelMatrix, OddShapesMatchEmulator) {
   const auto backend = make_backend("cpu", BackendOptions{.threads = 2});
   std::mt19937_64 rng(mjolnir::testing::test_seed() + 11);

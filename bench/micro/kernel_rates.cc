@@ -183,18 +183,19 @@ void Pair(benchmark::State& state, Format format, int group, int q_len, Variant 
 }
 
 // A prompt's prefill on one core: one sequence of kPrefillTokens tokens, all of them query tokens
-// (a ragged step: query tiles of 8 tokens, causal), Q in bf16, resident. ns_per_row_key: per query
-// row (token x query head) and KV token it sees, the unit flash attention kernels are compared in.
+// (a ragged step, causal), Q in bf16 (or int8, as the auto modes pick for the formats whose codes
+// are small integers), resident. ns_per_row_key: per query row (token x query head) and KV token
+// it sees, the unit flash attention kernels are compared in.
 constexpr int kPrefillTokens = 1024;
 
-void Prefill(benchmark::State& state, Format format, PMode p_mode) {
+void Prefill(benchmark::State& state, Format format, QMode q_mode, PMode p_mode) {
   verify::ProblemSpec spec;
   spec.format = format;
   spec.num_kv_heads = kKvHeads;
   spec.group = 4;
   spec.head_dim = kHeadDim;
   spec.params.q_len = 0;
-  spec.params.q_mode = QMode::bf16;
+  spec.params.q_mode = q_mode;
   spec.params.p_mode = p_mode;
   spec.seq_lens = {kPrefillTokens};
   spec.query_lens = {kPrefillTokens};
@@ -249,8 +250,13 @@ const int registered = [] {
     for (const Format format : kAllFormats) {
       const std::string name =
           "Prefill/" + std::string(to_string(format)) + "/p" + std::string(to_string(p_mode));
-      benchmark::RegisterBenchmark(name.c_str(), Prefill, format, p_mode)
+      benchmark::RegisterBenchmark(name.c_str(), Prefill, format, QMode::bf16, p_mode)
           ->Unit(benchmark::kMillisecond);
+      if (format == Format::fp4_e2m1 || format == Format::fp6_e2m3 || format == Format::nvfp4) {
+        benchmark::RegisterBenchmark((name + "/qint8").c_str(), Prefill, format, QMode::int8,
+                                     p_mode)
+            ->Unit(benchmark::kMillisecond);
+      }
     }
   }
   // Pairs, g 4: what the auto modes would choose between, on this CPU.

@@ -98,7 +98,9 @@ enum Slot : int {
   kRowOffsets,
   kQTiles,
   kAmxBuffers,
-  kAmxValues
+  kAmxValues,
+  kDecodedValues,
+  kDecodedKeys
 };
 
 // --- KV row addressing and prefetch ----------------------------------------------------------
@@ -360,9 +362,33 @@ void RunUnit(const KernelConfig& config, const DecodeArgs& args, const Plan& pla
   score_scratch.scores =
       scratch.floats(kScores, std::max(std::size_t(rows) * stride, column_floats));
   float* probs_all = scratch.floats(kProbs, std::size_t(rows) * stride * heads);
-  // Token bases of this tile and the next, which is prefetched while this one computes.
-  const std::uint8_t** bases = scratch.row_pointers(2 * std::size_t(tile));
+  // Token bases of this tile and the next, which is prefetched while this one computes; then the
+  // rows a unit of many query rows decodes once per tile (kDecodeOnceRows): V's, K's.
+  const bool decode_values_once =
+      !values_as_words && rows >= kDecodeOnceRows && DecodeValuesOncePays(geo.format);
+  const bool decode_keys_once = MJOLNIR_INT8_DECODED_KEYS && paths.int8 && rows >= kDecodeOnceRows;
+  const std::uint8_t** bases = scratch.row_pointers(4 * std::size_t(tile));
   const std::uint8_t** next_bases = bases + tile;
+  DecodedValues decoded_values;
+  if (decode_values_once) {
+    decoded_values.rows = scratch.floats(kDecodedValues, std::size_t(tile) * d);
+    decoded_values.bases = bases + 2 * tile;
+    for (int t = 0; t < tile; ++t) {
+      decoded_values.bases[t] =
+          reinterpret_cast<const std::uint8_t*>(decoded_values.rows + std::size_t(t) * d);
+    }
+    scratch.counts.decoded_values += std::uint64_t(heads);
+  }
+  if (decode_keys_once) {
+    const std::size_t key_stride = DecodedKeyStride(std::size_t(d));
+    auto* keys = reinterpret_cast<std::uint8_t*>(
+        scratch.floats(kDecodedKeys, std::size_t(tile) * key_stride / sizeof(float)));
+    const std::uint8_t** key_bases = bases + 3 * tile;
+    for (int t = 0; t < tile; ++t) key_bases[t] = keys + std::size_t(t) * key_stride;
+    score_scratch.decoded_keys = keys;
+    score_scratch.decoded_key_bases = key_bases;
+    scratch.counts.decoded_keys += std::uint64_t(heads);
+  }
 
   // K and V row offsets of every head of the unit, for the prefetcher.
   std::int64_t* k_offsets = reinterpret_cast<std::int64_t*>(scratch.floats(kRowOffsets, 4 * heads));
@@ -433,7 +459,7 @@ void RunUnit(const KernelConfig& config, const DecodeArgs& args, const Plan& pla
     for (int h = 0; h < heads; ++h) {
       AccumulateHeadValues<Decoder>(paths, head_state[h], rows_of_tile,
                                     probs_all + std::size_t(h) * rows * stride, stride,
-                                    value_scratch, prefetcher, per_pass);
+                                    value_scratch, decoded_values, prefetcher, per_pass);
     }
     std::swap(bases, next_bases);
   }
@@ -494,6 +520,19 @@ bool HasInt8DotFor(Format format) {
 #endif
 }
 
+// Which rows a unit of `rows` query rows decodes once per tile (kernel_paths-inl.h), P in fp32.
+DecodedOnce DecodesOnce(Format format, QMode q_mode, int rows, int head_dim) {
+#if !MJOLNIR_PORTABLE_TARGET
+  const bool many = rows >= kDecodeOnceRows;
+  return {MJOLNIR_INT8_DECODED_KEYS && many && q_mode == QMode::int8 && HasInt8DotFor(format) &&
+              head_dim % 128 == 0,
+          many && DecodeValuesOncePays(format)};
+#else
+  (void)format, (void)q_mode, (void)rows, (void)head_dim;
+  return {};
+#endif
+}
+
 }  // namespace mjolnir::cpu::HWY_NAMESPACE
 HWY_AFTER_NAMESPACE();
 
@@ -506,6 +545,7 @@ HWY_EXPORT(TargetName);
 HWY_EXPORT(HasBf16Dot);
 HWY_EXPORT(HasInt8Dot);
 HWY_EXPORT(HasInt8DotFor);
+HWY_EXPORT(DecodesOnce);
 
 float* KernelScratch::floats(int slot, std::size_t count) {
   if (capacity_[slot] < count) {
@@ -544,6 +584,10 @@ bool bf16_dot_applies(const KernelConfig& config, Format format, QMode q_mode, i
 bool cpu_has_bf16_dot() { return HWY_DYNAMIC_DISPATCH(HasBf16Dot)(); }
 
 bool cpu_has_int8_dot() { return HWY_DYNAMIC_DISPATCH(HasInt8Dot)(); }
+
+DecodedOnce decoded_once(Format format, QMode q_mode, int rows, int head_dim) {
+  return HWY_DYNAMIC_DISPATCH(DecodesOnce)(format, q_mode, rows, head_dim);
+}
 
 bool int8_dot_applies(Format format, int head_dim) {
   return head_dim % 128 == 0 && HWY_DYNAMIC_DISPATCH(HasInt8DotFor)(format);

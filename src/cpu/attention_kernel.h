@@ -45,7 +45,7 @@ class KernelScratch {
   KernelPathCounts counts;  // the work items this worker ran, by path
 
  private:
-  static constexpr int kSlots = 12;
+  static constexpr int kSlots = 14;
   hwy::AlignedFreeUniquePtr<float[]> floats_[kSlots];
   std::size_t capacity_[kSlots] = {};
   std::vector<std::int32_t> ints_;
@@ -84,6 +84,14 @@ bool cpu_has_int8_dot();
 // AMX tiles' rows: D a multiple of 128, and the dispatched target decodes the format into bytes
 // (AVX-512 VNNI: fp4_e2m1, fp6_e2m3, nvfp4; AVX2: fp4_e2m1).
 bool int8_dot_applies(Format format, int head_dim);
+// Which rows a work unit of `rows` query rows (g x q_len) decodes once per KV tile on the
+// dispatched target, with P in fp32 and no AMX tiles, instead of once per block of 4 or 8 query
+// rows: K where Q . K runs in integers (AVX3_DL), V where P . V runs on FMAs and its decode costs
+// more than a load (cpu/kernel_paths-inl.h). The results are the same either way.
+struct DecodedOnce {
+  bool keys = false, values = false;
+};
+DecodedOnce decoded_once(Format format, QMode q_mode, int rows, int head_dim);
 
 // Whether a unit of `rows` query rows of this format and head size runs Q . K on AMX tiles under
 // `config`: from kAmxMinRows, wherever the bf16 dot products apply.

@@ -51,6 +51,7 @@ namespace hn = hwy::HWY_NAMESPACE;
 
 #undef MJOLNIR_INT8_DOT
 #undef MJOLNIR_INT8_DOT_ARM
+#undef MJOLNIR_INT8_DECODED_KEYS
 #if HWY_ARCH_ARM_A64 && HWY_TARGET != HWY_SCALAR && HWY_TARGET != HWY_EMU128
 #define MJOLNIR_INT8_DOT_ARM 1
 #else
@@ -186,6 +187,46 @@ struct IntNvfp4 : IntE2M1 {
                                 hn::IndicesFromVec(df, lanes));
   }
 };
+
+#define MJOLNIR_INT8_DECODED_KEYS 1
+// K rows that Dec decoded into `out` (DecodeKeyRow), read back through Dec's interface: a unit of
+// many query rows (a prompt's query tile) decodes each key of a tile once instead of once per
+// block of 4 rows. A row is its chunks' two 64-byte vectors, then with block scales each
+// chunk's 16 scale lanes.
+template <class Dec>
+struct DecodedInt : Dec {
+  struct State {};
+  static HWY_INLINE State MakeState() { return {}; }
+  // Bytes of one decoded row of d channels.
+  static constexpr std::size_t RowBytes(std::size_t d) {
+    return d + (Dec::kBlockScales ? d / kInt8Chunk * 64 : 0);
+  }
+  static HWY_INLINE void Decode(const State&, const std::uint8_t* row, std::size_t chunk,
+                                __m512i& x0, __m512i& x1) {
+    x0 = _mm512_load_si512(row + chunk * kInt8Chunk);
+    x1 = _mm512_load_si512(row + chunk * kInt8Chunk + 64);
+  }
+  static HWY_INLINE hn::Vec<WideFloatTag> ChunkScales(const std::uint8_t* row, std::size_t chunk,
+                                                      std::size_t d) {
+    return hn::Load(WideFloatTag(), reinterpret_cast<const float*>(row + d + chunk * 64));
+  }
+};
+
+// Decodes the K row at `row` into out (64-byte aligned, DecodedInt<Dec>::RowBytes(d) bytes).
+template <class Dec>
+HWY_INLINE void DecodeKeyRow(const typename Dec::State& state, const std::uint8_t* row,
+                             std::size_t d, std::uint8_t* HWY_RESTRICT out) {
+  for (std::size_t c = 0; c < d / kInt8Chunk; ++c) {
+    __m512i x0, x1;
+    Dec::Decode(state, row, c, x0, x1);
+    _mm512_store_si512(out + c * kInt8Chunk, x0);
+    _mm512_store_si512(out + c * kInt8Chunk + 64, x1);
+    if constexpr (Dec::kBlockScales) {
+      hn::Store(Dec::ChunkScales(row, c, d), WideFloatTag(),
+                reinterpret_cast<float*>(out + d + c * 64));
+    }
+  }
+}
 
 #elif MJOLNIR_INT8_DOT_ARM
 
@@ -715,6 +756,9 @@ HWY_POP_ATTRIBUTES
 #else
 #define MJOLNIR_INT8_DOT 0
 #endif  // AVX3_DL, AVX3, AVX2, Arm
+#ifndef MJOLNIR_INT8_DECODED_KEYS
+#define MJOLNIR_INT8_DECODED_KEYS 0
+#endif
 
 }  // namespace mjolnir::cpu::HWY_NAMESPACE
 HWY_AFTER_NAMESPACE();

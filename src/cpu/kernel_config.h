@@ -34,6 +34,10 @@ struct KernelPathCounts {
   std::uint64_t amx_values = 0;  // P . V on AMX tiles
   std::uint64_t dot_values = 0;  // P . V on the bf16 dot products
   std::uint64_t int8_dot = 0;    // Q . K in integers
+  // Q . K in integers / P . V on FMAs over K / V rows decoded once per tile (units of many
+  // query rows, kernel_paths-inl.h)
+  std::uint64_t decoded_keys = 0;
+  std::uint64_t decoded_values = 0;
 
   KernelPathCounts& operator+=(const KernelPathCounts& other) {
     bf16_dot += other.bf16_dot;
@@ -41,6 +45,8 @@ struct KernelPathCounts {
     amx_values += other.amx_values;
     dot_values += other.dot_values;
     int8_dot += other.int8_dot;
+    decoded_keys += other.decoded_keys;
+    decoded_values += other.decoded_values;
     return *this;
   }
 };

@@ -204,6 +204,26 @@ struct TileRows {
   int first, count;
 };
 
+// From this many query rows a unit decodes each K row (Q . K in integers, AVX3_DL) and each V row
+// (P . V on FMAs, the formats whose decode costs more than a load: DecodeValuesOncePays) of a
+// tile once, into L1 / L2, and its blocks of 4 or 8 rows load the decoded vectors, where each block
+// decoded the row again in registers: a prompt's query tile (32 tokens x g rows) decoded every
+// row 16 to 32 times. Below it the stores and loads cost more than the decodes they save.
+inline constexpr int kDecodeOnceRows = 16;
+
+// Whether P . V decodes V once per tile for this format (kDecodeOnceRows): not for the 16-bit
+// formats (one op a vector), nor on AVX-512 for fp4_e2m1 (one vpermps a vector), where
+// kernel_rates measured no gain or a loss (docs/cpu-experiments.md, "Decoding once per tile").
+inline bool DecodeValuesOncePays(Format format) {
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+  if (format == Format::fp4_e2m1) return false;
+#endif
+  return format != Format::bf16 && format != Format::fp16;
+}
+
+// Bytes between the K rows a unit decodes once per tile (DecodedInt<Int>::RowBytes at most).
+inline std::size_t DecodedKeyStride(std::size_t d) { return d + d / 2; }
+
 // What the score paths compute with, per unit.
 struct ScoreScratch {
   float* scores;              // [R][stride] (or [keys][column_stride] on AMX values)
@@ -213,6 +233,11 @@ struct ScoreScratch {
   bool fused;                 // the emulator's build fuses multiply-adds (the exact path)
   float* amx_sums;            // AMX scores: C tiles
   std::uint16_t* amx_keys;    // AMX scores: K as B tiles
+  // Q . K in integers over K decoded once per tile (kDecodeOnceRows): row t at decoded_keys + t *
+  // DecodedKeyStride(d), also listed in decoded_key_bases; null where the blocks decode in
+  // registers.
+  std::uint8_t* decoded_keys;
+  const std::uint8_t* const* decoded_key_bases;
 };
 
 // Q . K and the online softmax of one tile for one head: P into probs [R][stride] (or the
@@ -244,9 +269,23 @@ void ScoreHeadTile(const UnitPaths& paths, HeadState& hs, const TileRows& tile,
     case ScorePath::int8:
 #if MJOLNIR_INT8_DOT
       VisitIntDecoder(it.args->cache.geometry.format, [&]<class Int>() {
-        ScoresInt8<Int>(reinterpret_cast<const std::int8_t*>(hs.q), Int8Starts(hs.q, it.rows, it.d),
-                        it.rows, d, tile.bases, hs.k_offset, tile.count, hs.kernel_scale, s.scores,
-                        s.stride, prefetcher, prefetch_per_key);
+        const auto* q_bytes = reinterpret_cast<const std::int8_t*>(hs.q);
+#if MJOLNIR_INT8_DECODED_KEYS
+        if (s.decoded_keys != nullptr) {
+          const auto state = Int::MakeState();
+          for (int t = 0; t < tile.count; ++t) {
+            DecodeKeyRow<Int>(state, tile.bases[t] + hs.k_offset, d,
+                              s.decoded_keys + std::size_t(t) * DecodedKeyStride(d));
+          }
+          ScoresInt8<DecodedInt<Int>>(q_bytes, Int8Starts(hs.q, it.rows, it.d), it.rows, d,
+                                      s.decoded_key_bases, 0, tile.count, hs.kernel_scale, s.scores,
+                                      s.stride, prefetcher, prefetch_per_key);
+          return;
+        }
+#endif
+        ScoresInt8<Int>(q_bytes, Int8Starts(hs.q, it.rows, it.d), it.rows, d, tile.bases,
+                        hs.k_offset, tile.count, hs.kernel_scale, s.scores, s.stride, prefetcher,
+                        prefetch_per_key);
       });
 #endif
       break;
@@ -271,14 +310,22 @@ void ScoreHeadTile(const UnitPaths& paths, HeadState& hs, const TileRows& tile,
   SoftmaxTile(it, s.scores, probs, s.stride, tile.first, tile.count, p_exp, hs.state);
 }
 
+// Where a unit's V rows are decoded once per tile (DecodedRows, kDecodeOnceRows): a tile's rows
+// of one head, and the pointers to them. Null where P . V decodes in registers.
+struct DecodedValues {
+  float* rows = nullptr;                 // [tile][d]
+  const std::uint8_t** bases = nullptr;  // [tile]: row t at rows + t * d
+};
+
 // acc = alpha * acc + P . V over one tile for one head, on AMX tiles (value_scratch: scratch for
 // the tile's V as B tiles), the bf16 dot products (value_scratch: scratch for the tile's P pairs)
-// or fp32 FMAs; prefetch_rows prefetched rows a pass.
+// or fp32 FMAs (over V decoded once per tile where `decoded` has rows); prefetch_rows prefetched
+// rows a pass.
 template <class Decoder>
 void AccumulateHeadValues(const UnitPaths& paths, HeadState& hs, const TileRows& tile,
                           const float* HWY_RESTRICT probs, std::size_t stride,
-                          std::uint16_t* value_scratch, TilePrefetcher& prefetcher,
-                          int prefetch_rows) {
+                          std::uint16_t* value_scratch, const DecodedValues& decoded,
+                          TilePrefetcher& prefetcher, int prefetch_rows) {
   const ItemContext& it = hs.it;
   if (paths.amx_values) {
 #if MJOLNIR_AMX
@@ -300,6 +347,15 @@ void AccumulateHeadValues(const UnitPaths& paths, HeadState& hs, const TileRows&
                                 prefetcher, prefetch_rows);
     }
 #endif
+    return;
+  }
+  if (decoded.rows != nullptr) {
+    const std::size_t d = std::size_t(it.d);
+    for (int t = 0; t < tile.count; ++t) {
+      DecodeRow<Decoder>(tile.bases[t] + hs.v_offset, d, decoded.rows + std::size_t(t) * d);
+    }
+    AccumulateValues<DecodedRows<Decoder>>(it, probs, stride, decoded.bases, 0, tile.count, hs.acc,
+                                           hs.state.alpha, prefetcher, prefetch_rows);
     return;
   }
   AccumulateValues<Decoder>(it, probs, stride, tile.bases, hs.v_offset, tile.count, hs.acc,

@@ -635,6 +635,29 @@ HWY_INLINE void DecodeRow(const std::uint8_t* row, std::size_t head_dim, float* 
   }
 }
 
+// Rows that DecodeRow<Dec> wrote (fp32, 64-byte aligned: Dec's channel order and 2^kRawExp scale),
+// read back through Dec's interface: a kernel that reads each V row once per block of query rows
+// decodes it once per tile instead (fma_values-inl.h), and its blocks load the vectors.
+template <class Dec>
+struct DecodedRows {
+  static constexpr int kRawExp = Dec::kRawExp;
+  static constexpr std::size_t kVectors = Dec::kVectors;
+  using Tag = typename Dec::Tag;
+  template <class DF>
+  static HWY_INLINE const float* Load(DF df, const std::uint8_t* row, std::size_t chunk,
+                                      std::size_t) {
+    return reinterpret_cast<const float*>(row) + chunk * kVectors * hn::Lanes(df);
+  }
+  template <class DF>
+  static HWY_INLINE hn::Vec<DF> Aux(DF df, const std::uint8_t*, std::size_t, std::size_t) {
+    return hn::Zero(df);
+  }
+  template <std::size_t kJ, class DF>
+  static HWY_INLINE hn::Vec<DF> Get(DF df, const float* chunk, hn::Vec<DF>) {
+    return hn::Load(df, chunk + kJ * hn::Lanes(df));
+  }
+};
+
 // channel_of[i]: the channel DecodeRow writes to out[i]. Within a chunk of kVectors * n
 // channels, vector j lane l holds channel Dec::Channel(j, l, n), or kVectors * l + j for
 // decoders without that function.
