@@ -14,17 +14,21 @@ interleaved rounds. Needs the venv of scripts/vllm-check.sh (torch, vLLM, mjolni
 
   build-python/venv/bin/python scripts/vllm_op_bench.py [--json FILE]
   build-python/venv/bin/python scripts/vllm_op_bench.py --prefill [--json FILE]   # a prompt
+  build-python/venv/bin/python scripts/vllm_op_bench.py --formats bf16,fp6_e2m3 [--json FILE]
+      # a decode step at long contexts (4k, 16k) over each mjolnir format, against vLLM's op
+      # over its bf16 cache: what one layer's attention costs the end-to-end decode
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 
 import torch
+
+from vllm_bench import machine_name  # the CPU as `mjolnir info` names it
 
 
 def timed(fn, calls: int, between: bool) -> float:
@@ -122,6 +126,72 @@ def prefill(lengths, rounds: int) -> list:
     return rows
 
 
+def decode_formats(formats, cases, rounds: int) -> list:
+    """One layer's decode step (one new token per sequence) at long contexts: vLLM's op over
+    its bf16 cache against mjolnir's Step.attend over a cache of each format (written by
+    write_kv from the same Gaussian K / V, per-tensor scales 1), in the plugin's "auto" modes.
+    Each call follows a matmul of a layer's size, as in a model's step; interleaved rounds of 20
+    calls, the median call of each round, then the median over rounds (microseconds)."""
+    from mjolnir import _ext
+    from vllm import _custom_ops as vllm_ops
+    hq, hk, d, block = 32, 8, 128, 32
+    isa = vllm_isa()
+    one = torch.ones(1)
+    rows = []
+    for batch, context in cases:
+        blocks_per_seq = (context + block - 1) // block
+        num_blocks = batch * blocks_per_seq + 2
+        table = torch.arange(batch * blocks_per_seq, dtype=torch.int32).reshape(batch, -1)
+        seq_lens = torch.full((batch,), context, dtype=torch.int32)
+        starts = torch.arange(batch + 1, dtype=torch.int32)
+        q = torch.randn(batch, hq, d, dtype=torch.bfloat16)
+        out = torch.empty(batch, hq, d, dtype=torch.bfloat16)
+        theirs = torch.randn(num_blocks, hk, block, 2 * d).to(torch.bfloat16)
+        kc, vc = theirs.view(num_blocks, hk, 2 * block, d).chunk(2, dim=2)
+        sched = vllm_ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=batch, num_heads=hq, num_kv_heads=hk, head_dim=d, seq_lens=seq_lens,
+            dtype=torch.bfloat16, query_start_loc=starts, causal=True, sliding_window_size=-1,
+            isa=isa, enable_kv_split=False, kv_cache_dtype="auto")
+        fns = {f"vllm_{isa}_bf16": lambda: vllm_ops.cpu_attention_with_kv_cache(
+            query=q, key_cache=kc, value_cache=vc, output=out, query_start_loc=starts,
+            seq_lens=seq_lens, scale=d ** -0.5, causal=True, alibi_slopes=None,
+            sliding_window=-1, block_table=table, softcap=0.0, scheduler_metadata=sched,
+            s_aux=None, dynamic_causal=None, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")}
+        step = torch.ops.mjolnir.plan_step(seq_lens, table, starts, 0, hq, hk, q_mode="auto",
+                                           p_mode="auto")  # the plugin's defaults
+        caches = []  # keeps each format's pool alive
+        tokens = num_blocks * block
+        kv = torch.randn(tokens, hk, d, dtype=torch.bfloat16)
+        for fmt in formats:
+            if fmt in ("bf16", "fp16"):
+                pool = torch.empty(num_blocks, hk, block, 2 * d,
+                                   dtype=torch.bfloat16 if fmt == "bf16" else torch.float16)
+            else:
+                pool = torch.empty(num_blocks, hk, block, 2 * _ext.row_bytes(fmt, d),
+                                   dtype=torch.uint8)
+            view = pool.view(num_blocks, hk, 2, block, pool.shape[-1] // 2).permute(0, 1, 3, 2, 4)
+            torch.ops.mjolnir.write_kv(kv, kv, view, torch.arange(tokens, dtype=torch.int64),
+                                       one, one, fmt, "BHN2D")
+            caches.append(pool)
+            fns[f"mjolnir_{fmt}"] = (lambda view=view, fmt=fmt: step.attend(
+                out, q, view, one, one, fmt, "BHN2D", d ** -0.5))
+        for fn in fns.values():  # warm-up
+            for _ in range(3):
+                fn()
+        per_round = {name: [] for name in fns}
+        for _ in range(rounds):
+            for name, fn in fns.items():
+                per_round[name].append(timed(fn, 20, True))
+        row = {"kind": "decode", "batch": batch, "context": context,
+               **{name + "_us": statistics.median(v) for name, v in per_round.items()}}
+        rows.append(row)
+        base = row[f"vllm_{isa}_bf16_us"]
+        print(f"batch {batch} context {context}: " + ", ".join(
+            f"{name} {row[name + '_us']:.0f} us ({base / row[name + '_us']:.2f}x)"
+            for name in fns), flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the results here")
@@ -129,7 +199,25 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--prefill", action="store_true",
                         help="time a prompt's attention (1024 and 4096 tokens) instead")
+    parser.add_argument("--formats",
+                        help="comma-separated mjolnir formats: time a decode step at long "
+                             "contexts over each (--cases) instead")
+    parser.add_argument("--cases", default="4096x1,16384x1,4096x8",
+                        help="with --formats: contexts x batches (default %(default)s)")
     args = parser.parse_args()
+    if args.formats:
+        import mjolnir  # noqa: F401
+        from vllm.platforms import current_platform
+        current_platform.import_kernels()
+        cases = [tuple(int(x) for x in case.split("x"))[::-1] for case in args.cases.split(",")]
+        rows = decode_formats(args.formats.split(","), cases, args.rounds)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"machine": machine_name(), "date": time.strftime("%Y-%m-%d"),
+                           "torch_threads": torch.get_num_threads(),
+                           "shape": {"hq": 32, "hk": 8, "d": 128, "block": 32},
+                           "rows": rows}, f, indent=1)
+        return
     if args.prefill:
         import mjolnir  # noqa: F401
         from vllm.platforms import current_platform
@@ -137,7 +225,7 @@ def main() -> None:
         rows = prefill((1024, 4096), args.rounds)
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"machine": platform.processor() or platform.machine(),
+                json.dump({"machine": machine_name(),
                            "torch_threads": torch.get_num_threads(),
                            "shape": {"hq": 32, "hk": 8, "d": 128, "block": 32, "dtype": "bf16"},
                            "rows": rows}, f, indent=1)
@@ -217,7 +305,7 @@ def main() -> None:
             print(f"batch {batch} context {context} {row['after']}: " + ", ".join(
                 f"{name} {row[name + '_us']:.1f} us" for name in fns), flush=True)
 
-    result = {"machine": platform.processor() or platform.machine(),
+    result = {"machine": machine_name(),
               "torch_threads": torch.get_num_threads(),
               "shape": {"hq": hq, "hk": hk, "d": d, "block": block, "dtype": "bf16"},
               "rows": rows}
