@@ -605,7 +605,7 @@ TEST_P(CpuKernelMatrix, Int8DotMatchesEmulator) {
 // kDecodeOnceRows) and their blocks of rows load the decoded vectors: the scores and O must be
 // what decoding in registers gives, so the emulator's within the modes' tolerances, at 4 rows (in
 // registers), 16 and 32 (decoded once; g 16 x q_len 2 has leftover keys in its 4-key groups), for
-// Q in int8 (the keys, AVX3_DL) and fp32, with each format's decoder. decoded_once() says which
+// Q in int8 (the keys, on x86) and fp32, with each format's decoder. decoded_once() says which
 // rows this target decodes once; the path counts check the kernel took that path.
 TEST_P(CpuKernelMatrix, DecodeOnceMatchesEmulator) {
   const auto backend =

@@ -86,7 +86,7 @@ bool cpu_has_int8_dot();
 bool int8_dot_applies(Format format, int head_dim);
 // Which rows a work unit of `rows` query rows (g x q_len) decodes once per KV tile on the
 // dispatched target, with P in fp32 and no AMX tiles, instead of once per block of 4 or 8 query
-// rows: K where Q . K runs in integers (AVX3_DL), V where P . V runs on FMAs and its decode costs
+// rows: K where Q . K runs in integers (x86), V where P . V runs on FMAs and its decode costs
 // more than a load (cpu/kernel_paths-inl.h). The results are the same either way.
 struct DecodedOnce {
   bool keys = false, values = false;

@@ -428,6 +428,49 @@ struct IntE2M3 : E2M3Integers {
   static constexpr std::size_t Channel(std::size_t j, std::size_t i) { return 32 * j + (i ^ 1); }
 };
 
+#define MJOLNIR_INT8_DECODED_KEYS 1
+// As on AVX3_DL: K rows that Dec decoded into `out` (DecodeKeyRow), a chunk's four 32-byte
+// vectors, then with block scales each chunk's two halves of 8 scale lanes.
+template <class Dec>
+struct DecodedInt : Dec {
+  struct State {};
+  static HWY_INLINE State MakeState() { return {}; }
+  static constexpr std::size_t RowBytes(std::size_t d) {
+    return d + (Dec::kBlockScales ? d / kInt8Chunk * 64 : 0);
+  }
+  static HWY_INLINE void Decode(const State&, const std::uint8_t* row, std::size_t chunk,
+                                __m256i (&x)[4]) {
+    for (int j = 0; j < 4; ++j) {
+      x[j] = _mm256_load_si256(reinterpret_cast<const __m256i*>(row + chunk * kInt8Chunk + 32 * j));
+    }
+  }
+  static HWY_INLINE void HalfScales(const std::uint8_t* row, std::size_t chunk, std::size_t d,
+                                    __m256 half[2]) {
+    const auto* scales = reinterpret_cast<const float*>(row + d + chunk * 64);
+    half[0] = _mm256_load_ps(scales);
+    half[1] = _mm256_load_ps(scales + 8);
+  }
+};
+
+template <class Dec>
+HWY_INLINE void DecodeKeyRow(const typename Dec::State& state, const std::uint8_t* row,
+                             std::size_t d, std::uint8_t* HWY_RESTRICT out) {
+  for (std::size_t c = 0; c < d / kInt8Chunk; ++c) {
+    __m256i x[4];
+    Dec::Decode(state, row, c, x);
+    for (int j = 0; j < 4; ++j) {
+      _mm256_store_si256(reinterpret_cast<__m256i*>(out + c * kInt8Chunk + 32 * j), x[j]);
+    }
+    if constexpr (Dec::kBlockScales) {
+      __m256 half[2];
+      Dec::HalfScales(row, c, d, half);
+      auto* scales = reinterpret_cast<float*>(out + d + c * 64);
+      _mm256_store_ps(scales, half[0]);
+      _mm256_store_ps(scales + 8, half[1]);
+    }
+  }
+}
+
 #endif  // HWY_TARGET == HWY_AVX3_DL
 
 // The formats with an integer decoder (on every target with integer dot products).

@@ -204,7 +204,7 @@ struct TileRows {
   int first, count;
 };
 
-// From this many query rows a unit decodes each K row (Q . K in integers, AVX3_DL) and each V row
+// From this many query rows a unit decodes each K row (Q . K in integers, on x86) and each V row
 // (P . V on FMAs, the formats whose decode costs more than a load: DecodeValuesOncePays) of a
 // tile once, into L1 / L2, and its blocks of 4 or 8 rows load the decoded vectors, where each block
 // decoded the row again in registers: a prompt's query tile (32 tokens x g rows) decoded every
