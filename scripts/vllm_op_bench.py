@@ -56,6 +56,17 @@ def vllm_isa() -> str:
     return isa
 
 
+def decode_step(batch: int, context: int, block: int):
+    """A decode step's shape as vLLM's metadata gives it: `batch` sequences of `context` tokens
+    (the last one new), their blocks numbered in order in a pool with two to spare. Returns the
+    pool's block count, the block table, seq_lens and query_start_loc."""
+    blocks_per_seq = (context + block - 1) // block
+    table = torch.arange(batch * blocks_per_seq, dtype=torch.int32).reshape(batch, -1)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32)
+    starts = torch.arange(batch + 1, dtype=torch.int32)
+    return batch * blocks_per_seq + 2, table, seq_lens, starts
+
+
 def prefill(lengths, rounds: int) -> list:
     """One prompt's attention, all its tokens query tokens (one layer: Hq 32, Hk 8, D 128, bf16
     cache, block 32), through vLLM's op and mjolnir's plan_step / attend (P fp32, and the modes
@@ -139,11 +150,7 @@ def decode_formats(formats, cases, rounds: int) -> list:
     one = torch.ones(1)
     rows = []
     for batch, context in cases:
-        blocks_per_seq = (context + block - 1) // block
-        num_blocks = batch * blocks_per_seq + 2
-        table = torch.arange(batch * blocks_per_seq, dtype=torch.int32).reshape(batch, -1)
-        seq_lens = torch.full((batch,), context, dtype=torch.int32)
-        starts = torch.arange(batch + 1, dtype=torch.int32)
+        num_blocks, table, seq_lens, starts = decode_step(batch, context, block)
         q = torch.randn(batch, hq, d, dtype=torch.bfloat16)
         out = torch.empty(batch, hq, d, dtype=torch.bfloat16)
         theirs = torch.randn(num_blocks, hk, block, 2 * d).to(torch.bfloat16)
@@ -239,11 +246,7 @@ def main() -> None:
     hq, hk, d, block = 32, 8, 128, 32
     rows = []
     for batch, context in ((1, 16), (8, 16), (1, 512), (8, 512)):
-        blocks_per_seq = (context + block - 1) // block
-        num_blocks = batch * blocks_per_seq + 2
-        table = torch.arange(batch * blocks_per_seq, dtype=torch.int32).reshape(batch, -1)
-        seq_lens = torch.full((batch,), context, dtype=torch.int32)
-        starts = torch.arange(batch + 1, dtype=torch.int32)
+        num_blocks, table, seq_lens, starts = decode_step(batch, context, block)
         q = torch.randn(batch, hq, d, dtype=torch.bfloat16)
         out = torch.empty(batch, hq * d, dtype=torch.bfloat16)
         key = torch.randn(batch, hk, d, dtype=torch.bfloat16)

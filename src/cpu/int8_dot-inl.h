@@ -97,6 +97,18 @@ struct E2M3Integers {
   static constexpr IntCodeTable<kE2M3Spec, kFactor, kBias> kTable{};
 };
 
+// The part of DecodedInt (below, per target) that is the same on every target: no decoder state,
+// and a row's bytes, its chunks' integer bytes then, with block scales, each chunk's 16 fp32
+// scale lanes.
+template <class Dec>
+struct DecodedIntRows : Dec {
+  struct State {};
+  static HWY_INLINE State MakeState() { return {}; }
+  static constexpr std::size_t RowBytes(std::size_t d) {
+    return d + (Dec::kBlockScales ? d / kInt8Chunk * 64 : 0);
+  }
+};
+
 #if HWY_TARGET == HWY_AVX3_DL
 
 // True when this CPU executes vpdpbusd (Highway 1.0.3's AVX3_DL does not require it).
@@ -191,16 +203,10 @@ struct IntNvfp4 : IntE2M1 {
 #define MJOLNIR_INT8_DECODED_KEYS 1
 // K rows that Dec decoded into `out` (DecodeKeyRow), read back through Dec's interface: a unit of
 // many query rows (a prompt's query tile) decodes each key of a tile once instead of once per
-// block of 4 rows. A row is its chunks' two 64-byte vectors, then with block scales each
-// chunk's 16 scale lanes.
+// block of 4 rows. A chunk is two 64-byte vectors.
 template <class Dec>
-struct DecodedInt : Dec {
-  struct State {};
-  static HWY_INLINE State MakeState() { return {}; }
-  // Bytes of one decoded row of d channels.
-  static constexpr std::size_t RowBytes(std::size_t d) {
-    return d + (Dec::kBlockScales ? d / kInt8Chunk * 64 : 0);
-  }
+struct DecodedInt : DecodedIntRows<Dec> {
+  using State = typename DecodedIntRows<Dec>::State;
   static HWY_INLINE void Decode(const State&, const std::uint8_t* row, std::size_t chunk,
                                 __m512i& x0, __m512i& x1) {
     x0 = _mm512_load_si512(row + chunk * kInt8Chunk);
@@ -429,15 +435,11 @@ struct IntE2M3 : E2M3Integers {
 };
 
 #define MJOLNIR_INT8_DECODED_KEYS 1
-// As on AVX3_DL: K rows that Dec decoded into `out` (DecodeKeyRow), a chunk's four 32-byte
-// vectors, then with block scales each chunk's two halves of 8 scale lanes.
+// As on AVX3_DL: K rows that Dec decoded into `out` (DecodeKeyRow), a chunk four 32-byte vectors
+// (and its scale lanes in two halves of 8).
 template <class Dec>
-struct DecodedInt : Dec {
-  struct State {};
-  static HWY_INLINE State MakeState() { return {}; }
-  static constexpr std::size_t RowBytes(std::size_t d) {
-    return d + (Dec::kBlockScales ? d / kInt8Chunk * 64 : 0);
-  }
+struct DecodedInt : DecodedIntRows<Dec> {
+  using State = typename DecodedIntRows<Dec>::State;
   static HWY_INLINE void Decode(const State&, const std::uint8_t* row, std::size_t chunk,
                                 __m256i (&x)[4]) {
     for (int j = 0; j < 4; ++j) {
