@@ -67,6 +67,29 @@ def decode_step(batch: int, context: int, block: int):
     return batch * blocks_per_seq + 2, table, seq_lens, starts
 
 
+def vllm_attention(q, kc, vc, out, starts, seq_lens, table, isa: str):
+    """vLLM's CPU attention op over its bf16 cache (kc, vc), as its backend calls it per layer
+    (causal, no window, scales 1), with the step's scheduler metadata made once: a callable."""
+    from vllm import _custom_ops as vllm_ops
+    hq, d = q.shape[-2], q.shape[-1]
+    sched = vllm_ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=int(seq_lens.numel()), num_heads=hq, num_kv_heads=kc.shape[1], head_dim=d,
+        seq_lens=seq_lens, dtype=torch.bfloat16, query_start_loc=starts, causal=True,
+        sliding_window_size=-1, isa=isa, enable_kv_split=False, kv_cache_dtype="auto")
+    return lambda: vllm_ops.cpu_attention_with_kv_cache(
+        query=q, key_cache=kc, value_cache=vc, output=out, query_start_loc=starts,
+        seq_lens=seq_lens, scale=d ** -0.5, causal=True, alibi_slopes=None, sliding_window=-1,
+        block_table=table, softcap=0.0, scheduler_metadata=sched, s_aux=None,
+        dynamic_causal=None, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+
+
+def load_kernels() -> None:
+    """mjolnir's ops (torch.ops.mjolnir) and vLLM's CPU kernels (torch.ops._C)."""
+    import mjolnir  # noqa: F401
+    from vllm.platforms import current_platform
+    current_platform.import_kernels()
+
+
 def prefill(lengths, rounds: int) -> list:
     """One prompt's attention, all its tokens query tokens (one layer: Hq 32, Hk 8, D 128, bf16
     cache, block 32), through vLLM's op and mjolnir's plan_step / attend (P fp32, and the modes
@@ -85,10 +108,6 @@ def prefill(lengths, rounds: int) -> list:
         out = torch.empty(n, hq, d, dtype=torch.bfloat16)
         theirs = torch.randn(blocks + 1, hk, block, 2 * d).to(torch.bfloat16)
         kc, vc = theirs.view(blocks + 1, hk, 2 * block, d).chunk(2, dim=2)
-        sched = vllm_ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=1, num_heads=hq, num_kv_heads=hk, head_dim=d, seq_lens=seq_lens,
-            dtype=torch.bfloat16, query_start_loc=starts, causal=True, sliding_window_size=-1,
-            isa=isa, enable_kv_split=False, kv_cache_dtype="auto")
         ours = torch.randn(blocks + 1, hk, block, 2 * d).to(torch.bfloat16)
         view = ours.view(blocks + 1, hk, 2, block, d).permute(0, 1, 3, 2, 4)
         one = torch.ones(1)
@@ -110,11 +129,7 @@ def prefill(lengths, rounds: int) -> list:
                 key, key, view, slots, one, one, "bf16", "BHN2D"),
             "mjolnir_write_fp8_ms": lambda: torch.ops.mjolnir.write_kv(
                 key, key, fp8_view, slots, one, one, "fp8_e4m3", "BHN2D"),
-            f"vllm_{isa}_ms": lambda: vllm_ops.cpu_attention_with_kv_cache(
-                query=q, key_cache=kc, value_cache=vc, output=out, query_start_loc=starts,
-                seq_lens=seq_lens, scale=d ** -0.5, causal=True, alibi_slopes=None,
-                sliding_window=-1, block_table=table, softcap=0.0, scheduler_metadata=sched,
-                s_aux=None, dynamic_causal=None, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto"),
+            f"vllm_{isa}_ms": vllm_attention(q, kc, vc, out, starts, seq_lens, table, isa),
             "mjolnir_fp32_ms": lambda: steps["fp32"].attend(out, q, view, one, one, "bf16",
                                                             "BHN2D", d ** -0.5),
             "mjolnir_auto_ms": lambda: steps["auto"].attend(out, q, view, one, one, "bf16",
@@ -144,7 +159,6 @@ def decode_formats(formats, cases, rounds: int) -> list:
     Each call follows a matmul of a layer's size, as in a model's step; interleaved rounds of 20
     calls, the median call of each round, then the median over rounds (microseconds)."""
     from mjolnir import _ext
-    from vllm import _custom_ops as vllm_ops
     hq, hk, d, block = 32, 8, 128, 32
     isa = vllm_isa()
     one = torch.ones(1)
@@ -155,15 +169,7 @@ def decode_formats(formats, cases, rounds: int) -> list:
         out = torch.empty(batch, hq, d, dtype=torch.bfloat16)
         theirs = torch.randn(num_blocks, hk, block, 2 * d).to(torch.bfloat16)
         kc, vc = theirs.view(num_blocks, hk, 2 * block, d).chunk(2, dim=2)
-        sched = vllm_ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=batch, num_heads=hq, num_kv_heads=hk, head_dim=d, seq_lens=seq_lens,
-            dtype=torch.bfloat16, query_start_loc=starts, causal=True, sliding_window_size=-1,
-            isa=isa, enable_kv_split=False, kv_cache_dtype="auto")
-        fns = {f"vllm_{isa}_bf16": lambda: vllm_ops.cpu_attention_with_kv_cache(
-            query=q, key_cache=kc, value_cache=vc, output=out, query_start_loc=starts,
-            seq_lens=seq_lens, scale=d ** -0.5, causal=True, alibi_slopes=None,
-            sliding_window=-1, block_table=table, softcap=0.0, scheduler_metadata=sched,
-            s_aux=None, dynamic_causal=None, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")}
+        fns = {f"vllm_{isa}_bf16": vllm_attention(q, kc, vc, out, starts, seq_lens, table, isa)}
         step = torch.ops.mjolnir.plan_step(seq_lens, table, starts, 0, hq, hk, q_mode="auto",
                                            p_mode="auto")  # the plugin's defaults
         caches = []  # keeps each format's pool alive
@@ -213,9 +219,7 @@ def main() -> None:
                         help="with --formats: contexts x batches (default %(default)s)")
     args = parser.parse_args()
     if args.formats:
-        import mjolnir  # noqa: F401
-        from vllm.platforms import current_platform
-        current_platform.import_kernels()
+        load_kernels()
         cases = [tuple(int(x) for x in case.split("x"))[::-1] for case in args.cases.split(",")]
         rows = decode_formats(args.formats.split(","), cases, args.rounds)
         if args.json:
@@ -226,9 +230,7 @@ def main() -> None:
                            "rows": rows}, f, indent=1)
         return
     if args.prefill:
-        import mjolnir  # noqa: F401
-        from vllm.platforms import current_platform
-        current_platform.import_kernels()
+        load_kernels()
         rows = prefill((1024, 4096), args.rounds)
         if args.json:
             with open(args.json, "w") as f:
@@ -238,10 +240,8 @@ def main() -> None:
                            "rows": rows}, f, indent=1)
         return
 
-    import mjolnir  # noqa: F401
+    load_kernels()
     from vllm import _custom_ops as vllm_ops
-    from vllm.platforms import current_platform
-    current_platform.import_kernels()
 
     hq, hk, d, block = 32, 8, 128, 32
     rows = []
@@ -257,18 +257,8 @@ def main() -> None:
         theirs = torch.randn(num_blocks, hk, block, 2 * d).to(torch.bfloat16)
         kc, vc = theirs.view(num_blocks, hk, 2 * block, d).chunk(2, dim=2)
         isa = vllm_isa()  # what vLLM picks here (AMX on CPUs with AMX tiles)
-        sched = vllm_ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=batch, num_heads=hq, num_kv_heads=hk, head_dim=d, seq_lens=seq_lens,
-            dtype=torch.bfloat16, query_start_loc=starts, causal=True, sliding_window_size=-1,
-            isa=isa, enable_kv_split=False, kv_cache_dtype="auto")
-
-        def vllm_attention():
-            vllm_ops.cpu_attention_with_kv_cache(
-                query=q, key_cache=kc, value_cache=vc, output=out.view(batch, hq, d),
-                query_start_loc=starts, seq_lens=seq_lens, scale=d ** -0.5, causal=True,
-                alibi_slopes=None, sliding_window=-1, block_table=table, softcap=0.0,
-                scheduler_metadata=sched, s_aux=None, dynamic_causal=None, k_scale=1.0,
-                v_scale=1.0, kv_cache_dtype="auto")
+        vllm_attention_op = vllm_attention(q, kc, vc, out.view(batch, hq, d), starts, seq_lens,
+                                           table, isa)
 
         def vllm_write():
             vllm_ops.cpu_attn_reshape_and_cache(key, key, kc, vc, slots, isa, k_scale=1.0,
@@ -290,7 +280,7 @@ def main() -> None:
         def mjolnir_write():
             torch.ops.mjolnir.write_kv(key, key, view, slots, one, one, "bf16", "BHN2D")
 
-        fns = {"vllm_attention": vllm_attention, "mjolnir_attention": mjolnir_attention,
+        fns = {"vllm_attention": vllm_attention_op, "mjolnir_attention": mjolnir_attention,
                "mjolnir_plan_step": mjolnir_plan, "vllm_write": vllm_write,
                "mjolnir_write": mjolnir_write}
         for fn in fns.values():  # warm-up

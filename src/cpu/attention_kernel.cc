@@ -362,31 +362,25 @@ void RunUnit(const KernelConfig& config, const DecodeArgs& args, const Plan& pla
   score_scratch.scores =
       scratch.floats(kScores, std::max(std::size_t(rows) * stride, column_floats));
   float* probs_all = scratch.floats(kProbs, std::size_t(rows) * stride * heads);
-  // Token bases of this tile and the next, which is prefetched while this one computes; then the
-  // rows a unit of many query rows decodes once per tile (kDecodeOnceRows): V's, K's.
-  const bool decode_values_once =
-      !values_as_words && rows >= kDecodeOnceRows && DecodeValuesOncePays(geo.format);
-  const bool decode_keys_once = MJOLNIR_INT8_DECODED_KEYS && paths.int8 && rows >= kDecodeOnceRows;
+  // Token bases of this tile and the next, which is prefetched while this one computes; then
+  // those of the V and K rows the unit decodes once per tile (paths.decoded_values / _keys).
   const std::uint8_t** bases = scratch.row_pointers(4 * std::size_t(tile));
   const std::uint8_t** next_bases = bases + tile;
-  DecodedValues decoded_values;
-  if (decode_values_once) {
-    decoded_values.rows = scratch.floats(kDecodedValues, std::size_t(tile) * d);
-    decoded_values.bases = bases + 2 * tile;
-    for (int t = 0; t < tile; ++t) {
-      decoded_values.bases[t] =
-          reinterpret_cast<const std::uint8_t*>(decoded_values.rows + std::size_t(t) * d);
-    }
+  const auto decoded_tile = [&](int slot, std::size_t stride, const std::uint8_t** row_bases) {
+    const DecodedTile decoded{reinterpret_cast<std::uint8_t*>(
+                                  scratch.floats(slot, std::size_t(tile) * stride / sizeof(float))),
+                              stride, row_bases};
+    for (int t = 0; t < tile; ++t) row_bases[t] = decoded.Row(t);
+    return decoded;
+  };
+  DecodedTile decoded_values;
+  if (paths.decoded_values) {
+    decoded_values = decoded_tile(kDecodedValues, std::size_t(d) * sizeof(float), bases + 2 * tile);
     scratch.counts.decoded_values += std::uint64_t(heads);
   }
-  if (decode_keys_once) {
-    const std::size_t key_stride = DecodedKeyStride(std::size_t(d));
-    auto* keys = reinterpret_cast<std::uint8_t*>(
-        scratch.floats(kDecodedKeys, std::size_t(tile) * key_stride / sizeof(float)));
-    const std::uint8_t** key_bases = bases + 3 * tile;
-    for (int t = 0; t < tile; ++t) key_bases[t] = keys + std::size_t(t) * key_stride;
-    score_scratch.decoded_keys = keys;
-    score_scratch.decoded_key_bases = key_bases;
+  if (paths.decoded_keys) {
+    score_scratch.decoded_keys =
+        decoded_tile(kDecodedKeys, DecodedKeyStride(std::size_t(d)), bases + 3 * tile);
     scratch.counts.decoded_keys += std::uint64_t(heads);
   }
 
@@ -520,13 +514,14 @@ bool HasInt8DotFor(Format format) {
 #endif
 }
 
-// Which rows a unit of `rows` query rows decodes once per tile (kernel_paths-inl.h), P in fp32.
+// Which rows a unit of `rows` query rows decodes once per tile, P in fp32 and no AMX tiles: what
+// ChooseUnitPaths sets, by the same rule (SetDecodedOnce).
 DecodedOnce DecodesOnce(Format format, QMode q_mode, int rows, int head_dim) {
 #if !MJOLNIR_PORTABLE_TARGET
-  const bool many = rows >= kDecodeOnceRows;
-  return {MJOLNIR_INT8_DECODED_KEYS && many && q_mode == QMode::int8 && HasInt8DotFor(format) &&
-              head_dim % 128 == 0,
-          many && DecodeValuesOncePays(format)};
+  UnitPaths paths;
+  paths.int8 = q_mode == QMode::int8 && HasInt8DotFor(format) && head_dim % 128 == 0;
+  SetDecodedOnce(format, rows, paths);
+  return {paths.decoded_keys, paths.decoded_values};
 #else
   (void)format, (void)q_mode, (void)rows, (void)head_dim;
   return {};

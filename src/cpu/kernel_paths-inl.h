@@ -61,6 +61,8 @@ struct UnitPaths {
   bool dot_values = false;  // P . V on the bf16 dot products, where the tiles do not take it
   int value_rows = 0;       // amx_values: the query rows of its A and C tiles (AmxValueRows)
   bool int8 = false;        // every head's Q . K in integers
+  // K / V rows decoded once per tile (SetDecodedOnce, kDecodeOnceRows), not once per block of rows
+  bool decoded_keys = false, decoded_values = false;
 };
 
 #if MJOLNIR_BF16_DOT
@@ -68,6 +70,45 @@ struct UnitPaths {
 template <class Decoder>
 using DotOf = typename DotDecoderOf<Decoder>::type;
 #endif
+
+// From this many query rows a unit decodes each K row (Q . K in integers, on x86) and each V row
+// (P . V on FMAs, the formats whose decode costs more than a load: DecodeValuesOncePays) of a
+// tile once, into L1 / L2, and its blocks of 4 or 8 rows load the decoded vectors, where each block
+// decoded the row again in registers: a prompt's query tile (32 tokens x g rows) decoded every
+// row 16 to 32 times. Below it the stores and loads cost more than the decodes they save.
+inline constexpr int kDecodeOnceRows = 16;
+
+// Whether P . V decodes V once per tile for this format (kDecodeOnceRows): not for the 16-bit
+// formats (one op a vector), nor on AVX-512 for fp4_e2m1 (one vpermps a vector), where
+// kernel_rates measured no gain or a loss (docs/cpu-experiments.md, "Decoding once per tile").
+inline bool DecodeValuesOncePays(Format format) {
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+  if (format == Format::fp4_e2m1) return false;
+#endif
+  return format != Format::bf16 && format != Format::fp16;
+}
+
+// Sets paths.decoded_keys / decoded_values for a unit of `rows` query rows whose other paths are
+// chosen: K where Q . K runs in integers on a target that reads decoded K (DecodedInt), V where
+// P . V runs on FMAs (not as words, on the tiles or the dot products) and the decode pays.
+inline void SetDecodedOnce(Format format, int rows, UnitPaths& paths) {
+  const bool many = rows >= kDecodeOnceRows;
+  paths.decoded_keys = MJOLNIR_INT8_DECODED_KEYS && paths.int8 && many;
+  paths.decoded_values =
+      !paths.amx_values && !paths.dot_values && many && DecodeValuesOncePays(format);
+}
+
+// Rows a unit decodes once per tile: row t at rows + t * stride, also listed in bases (what the
+// score and value blocks take). rows null: the blocks decode in registers.
+struct DecodedTile {
+  std::uint8_t* rows = nullptr;
+  std::size_t stride = 0;  // bytes
+  const std::uint8_t** bases = nullptr;
+  std::uint8_t* Row(int t) const { return rows + std::size_t(t) * stride; }
+};
+
+// Bytes between the K rows a unit decodes once per tile (DecodedInt<Int>::RowBytes at most).
+inline std::size_t DecodedKeyStride(std::size_t d) { return d + d / 2; }
 
 // The paths of a unit of `rows` query rows. P mode bf16 rounds P from the kernel's own scores
 // (docs/numerics.md) and takes P . V onto the tiles where they exist, else onto the bf16 dot
@@ -101,6 +142,7 @@ UnitPaths ChooseUnitPaths(const KernelConfig& config, const DecodeArgs& args, in
   paths.int8 = args.params.q_mode == QMode::int8 && HasIntDecoder(format) &&
                d % int(kInt8Chunk) == 0 && !paths.exact && !paths.amx_scores && CpuHasInt8Dot();
 #endif
+  SetDecodedOnce(format, rows, paths);
   return paths;
 }
 
@@ -204,26 +246,6 @@ struct TileRows {
   int first, count;
 };
 
-// From this many query rows a unit decodes each K row (Q . K in integers, on x86) and each V row
-// (P . V on FMAs, the formats whose decode costs more than a load: DecodeValuesOncePays) of a
-// tile once, into L1 / L2, and its blocks of 4 or 8 rows load the decoded vectors, where each block
-// decoded the row again in registers: a prompt's query tile (32 tokens x g rows) decoded every
-// row 16 to 32 times. Below it the stores and loads cost more than the decodes they save.
-inline constexpr int kDecodeOnceRows = 16;
-
-// Whether P . V decodes V once per tile for this format (kDecodeOnceRows): not for the 16-bit
-// formats (one op a vector), nor on AVX-512 for fp4_e2m1 (one vpermps a vector), where
-// kernel_rates measured no gain or a loss (docs/cpu-experiments.md, "Decoding once per tile").
-inline bool DecodeValuesOncePays(Format format) {
-#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
-  if (format == Format::fp4_e2m1) return false;
-#endif
-  return format != Format::bf16 && format != Format::fp16;
-}
-
-// Bytes between the K rows a unit decodes once per tile (DecodedInt<Int>::RowBytes at most).
-inline std::size_t DecodedKeyStride(std::size_t d) { return d + d / 2; }
-
 // What the score paths compute with, per unit.
 struct ScoreScratch {
   float* scores;              // [R][stride] (or [keys][column_stride] on AMX values)
@@ -233,11 +255,7 @@ struct ScoreScratch {
   bool fused;                 // the emulator's build fuses multiply-adds (the exact path)
   float* amx_sums;            // AMX scores: C tiles
   std::uint16_t* amx_keys;    // AMX scores: K as B tiles
-  // Q . K in integers over K decoded once per tile (kDecodeOnceRows): row t at decoded_keys + t *
-  // DecodedKeyStride(d), also listed in decoded_key_bases; null where the blocks decode in
-  // registers.
-  std::uint8_t* decoded_keys;
-  const std::uint8_t* const* decoded_key_bases;
+  DecodedTile decoded_keys;   // Q . K in integers over K decoded once per tile
 };
 
 // Q . K and the online softmax of one tile for one head: P into probs [R][stride] (or the
@@ -271,15 +289,14 @@ void ScoreHeadTile(const UnitPaths& paths, HeadState& hs, const TileRows& tile,
       VisitIntDecoder(it.args->cache.geometry.format, [&]<class Int>() {
         const auto* q_bytes = reinterpret_cast<const std::int8_t*>(hs.q);
 #if MJOLNIR_INT8_DECODED_KEYS
-        if (s.decoded_keys != nullptr) {
+        if (s.decoded_keys.rows != nullptr) {
           const auto state = Int::MakeState();
           for (int t = 0; t < tile.count; ++t) {
-            DecodeKeyRow<Int>(state, tile.bases[t] + hs.k_offset, d,
-                              s.decoded_keys + std::size_t(t) * DecodedKeyStride(d));
+            DecodeKeyRow<Int>(state, tile.bases[t] + hs.k_offset, d, s.decoded_keys.Row(t));
           }
           ScoresInt8<DecodedInt<Int>>(q_bytes, Int8Starts(hs.q, it.rows, it.d), it.rows, d,
-                                      s.decoded_key_bases, 0, tile.count, hs.kernel_scale, s.scores,
-                                      s.stride, prefetcher, prefetch_per_key);
+                                      s.decoded_keys.bases, 0, tile.count, hs.kernel_scale,
+                                      s.scores, s.stride, prefetcher, prefetch_per_key);
           return;
         }
 #endif
@@ -310,21 +327,14 @@ void ScoreHeadTile(const UnitPaths& paths, HeadState& hs, const TileRows& tile,
   SoftmaxTile(it, s.scores, probs, s.stride, tile.first, tile.count, p_exp, hs.state);
 }
 
-// Where a unit's V rows are decoded once per tile (DecodedRows, kDecodeOnceRows): a tile's rows
-// of one head, and the pointers to them. Null where P . V decodes in registers.
-struct DecodedValues {
-  float* rows = nullptr;                 // [tile][d]
-  const std::uint8_t** bases = nullptr;  // [tile]: row t at rows + t * d
-};
-
 // acc = alpha * acc + P . V over one tile for one head, on AMX tiles (value_scratch: scratch for
 // the tile's V as B tiles), the bf16 dot products (value_scratch: scratch for the tile's P pairs)
-// or fp32 FMAs (over V decoded once per tile where `decoded` has rows); prefetch_rows prefetched
-// rows a pass.
+// or fp32 FMAs (over V decoded once per tile into `decoded`'s fp32 rows where it has them);
+// prefetch_rows prefetched rows a pass.
 template <class Decoder>
 void AccumulateHeadValues(const UnitPaths& paths, HeadState& hs, const TileRows& tile,
                           const float* HWY_RESTRICT probs, std::size_t stride,
-                          std::uint16_t* value_scratch, const DecodedValues& decoded,
+                          std::uint16_t* value_scratch, const DecodedTile& decoded,
                           TilePrefetcher& prefetcher, int prefetch_rows) {
   const ItemContext& it = hs.it;
   if (paths.amx_values) {
@@ -352,7 +362,7 @@ void AccumulateHeadValues(const UnitPaths& paths, HeadState& hs, const TileRows&
   if (decoded.rows != nullptr) {
     const std::size_t d = std::size_t(it.d);
     for (int t = 0; t < tile.count; ++t) {
-      DecodeRow<Decoder>(tile.bases[t] + hs.v_offset, d, decoded.rows + std::size_t(t) * d);
+      DecodeRow<Decoder>(tile.bases[t] + hs.v_offset, d, reinterpret_cast<float*>(decoded.Row(t)));
     }
     AccumulateValues<DecodedRows<Decoder>>(it, probs, stride, decoded.bases, 0, tile.count, hs.acc,
                                            hs.state.alpha, prefetcher, prefetch_rows);
