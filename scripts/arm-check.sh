@@ -73,8 +73,9 @@ fi
 #     here. The same SIMD rounding is still checked bit for bit on NEON, SVE and SVE2 through
 #     every Q and P mode of CpuKernelMatrix (a P or Q code that differs from the emulator's fails
 #     its 1e-5 tolerance) and through the encoders of TestRowEncoder; the sweep runs natively.
-#   CudaEmulated.*: the CUDA kernels' code run on CPU threads, portable C++ with nothing
-#     Arm-specific (5-6 minutes under qemu); the native runs cover it.
+#   CudaEmulated.*: the CUDA kernels' code run on CPU threads, portable C++ (5-6 minutes under
+#     qemu); the native runs cover it. What differs on Arm, the emulator's fused Q . K that the
+#     exact-order body must follow (core/fused_dot.h), CudaEmulatedContract.* checks here.
 #   Reference/CaseMatrix.Shard/("reference", 1-3): the emulator against the exact reference,
 #     portable scalar C++ with nothing Arm-specific: the four shards took 1000 s of the run's
 #     3060 test-seconds under qemu (2026-12-05), one of them 459 s, the run's long pole.

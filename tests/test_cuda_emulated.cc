@@ -227,6 +227,38 @@ TEST(CudaEmulated, OddShapes) {
   run_all(cases, EmulatedKernels(kHopperSmem, 128));
 }
 
+// P mode fp8 takes its codes from the emulator's scores, so the exact-order body must compute
+// those scores bit for bit: the same sum order, fused where the emulator's host fuses
+// (core/fused_dot.h: aarch64 does, x86-64 does not). Scores fused on one side only round some
+// P codes the other way, which moved O by 1.2e-7 to 3e-7 in every case here under qemu; with
+// the same scores O differs from the emulator's by the order of a few fp32 sums (the merge of
+// splits, the row passes), 3e-8 at most, below one fp32 unit (2^-24). Q in fp32, whose products
+// are not exact in fp32, over long dot products (D 128, 256). Outside the suite CudaEmulated.*
+// so that the Arm check (scripts/arm-check.sh) runs it under qemu, where the emulator fuses.
+TEST(CudaEmulatedContract, ExactOrderScoresAreTheEmulators) {
+  std::uint64_t seed = testing::test_seed() + 23;
+  std::vector<verify::Case> cases;
+  const Format formats[] = {Format::fp8_e4m3, Format::fp6_e3m2, Format::nvfp4, Format::bf16};
+  int i = 0;
+  for (const Format f : formats) {
+    for (const int d : {128, 256}) {
+      cases.push_back(odd_case(f, i % 2 ? Layout::_2BHND : Layout::BHN2D, 32, d, 4 + 4 * (i % 2),
+                               1 + i % 4, true, 1 + i % 3, 32, QMode::fp32, PMode::fp8,
+                               i % 3 == 0 ? ScaleGranularity::tensor : ScaleGranularity::head,
+                               {180 + 17 * i, 60, 9}, seed++));
+      ++i;
+    }
+  }
+  const EmulatedKernels backend(kHopperSmem);
+  for (const verify::Case& c : cases) {
+    const verify::CaseResult r = verify::run_case(c, backend);
+    EXPECT_EQ(r.status, verify::CaseResult::Status::passed) << c.name() << ": " << r.message;
+    EXPECT_EQ(backend.last_body, DecodeBody::exact_order) << c.name();
+    EXPECT_LE(r.error_vs_emulator, 0x1p-24)
+        << c.name() << " (the host fuses its dot products: " << host_fuses_dot_products() << ")";
+  }
+}
+
 // The tensor-core body (fp32 P): every format (fp8, 16-bit, fp6, fp4, nvfp4), D 64 / 128 / 256,
 // 1 to 16 query rows, every Q mode (int8 too), causal and not, splits, partial last steps, layouts
 // and scale granularities.

@@ -168,15 +168,4 @@ void run_attention_item(const DecodeArgs& args, const Plan& plan, const WorkItem
   }
 }
 
-bool baseline_fuses_multiply_add() {
-  // (1 + 2^-12)^2 = 1 + 2^-11 + 2^-24: rounded, the 2^-24 is lost (a tie to even); fused, it
-  // survives the cancellation. volatile keeps the compiler from folding it at compile time.
-  volatile float a = 1.0f + 0x1p-12f;
-  volatile float c = -(1.0f + 0x1p-11f);
-  float sum = c;
-  const float x = a;
-  sum += x * x;
-  return sum != 0.0f;
-}
-
 }  // namespace mjolnir::cpu

@@ -27,10 +27,4 @@ struct ItemScratch {
 void run_attention_item(const DecodeArgs& args, const Plan& plan, const WorkItem& item,
                         ItemScratch& scratch);
 
-// Whether code compiled like this file (and the emulator: same flags, baseline ISA) fuses
-// `sum += a * b` into one fused multiply-add. GCC contracts C++ expressions whenever the ISA
-// has FMA (aarch64 always, x86-64 only with -march=haswell or later), so the emulator's dot
-// products are fused on some builds and not on others; the kernels' exact-order path asks.
-bool baseline_fuses_multiply_add();
-
 }  // namespace mjolnir::cpu

@@ -48,6 +48,7 @@
 #include <type_traits>
 
 #include "core/bf16_rows.h"
+#include "core/fused_dot.h"
 #include "core/minifloat.h"
 #include "core/non_finite.h"
 #include "core/query_codes.h"
@@ -317,7 +318,7 @@ void RunUnit(const KernelConfig& config, const DecodeArgs& args, const Plan& pla
 
   ScoreScratch score_scratch{};
   score_scratch.stride = stride;
-  static const bool fused = baseline_fuses_multiply_add();
+  static const bool fused = host_fuses_dot_products();  // the emulator's order
   score_scratch.fused = fused;
   if (paths.exact) {
     score_scratch.exact =

@@ -6,7 +6,7 @@
 // runs until it waits at a barrier, then the next runnable one runs. __syncthreads is a barrier
 // of the CTA's fibers, __syncwarp a barrier of the warp's 32, and __shfl_sync and
 // __shfl_xor_sync trade values through a per-warp array between two warp barriers. The
-// arithmetic intrinsics are the plain IEEE operations (the test builds without FMA contraction),
+// arithmetic intrinsics are the plain IEEE operations (the test builds with -ffp-contract=off),
 // cp.async falls back to plain copies (kernels guard the PTX with __CUDA_ARCH__). What this
 // cannot show: real concurrency between warps beyond the barriers, cp.async itself, the device's
 // libm, and resource limits. Fibers, not a thread per CUDA thread: with threads, 95% of the
@@ -276,6 +276,7 @@ inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fsub_rn(float a, float b) { return a - b; }
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fdiv_rn(float a, float b) { return a / b; }
+inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a < b ? b : a; }
 inline unsigned long long atomicMin(unsigned long long* address, unsigned long long value) {

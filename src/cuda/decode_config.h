@@ -9,6 +9,7 @@
 #include <span>
 #include <string>
 
+#include "core/fused_dot.h"
 #include "cuda/decode_params.h"
 #include "mjolnir/decode.h"
 #include "mjolnir/error.h"
@@ -179,6 +180,7 @@ inline DecodeConfig make_decode_config(const DecodeArgs& args, const float* k_sc
   p.causal = params.causal ? 1 : 0;
   p.q_mode = static_cast<int>(params.q_mode);
   p.p_mode = static_cast<int>(params.p_mode);
+  p.fused_dot = host_fuses_dot_products() ? 1 : 0;
 
   const PartialLayout layout{geo.num_kv_heads, p.rows, geo.head_dim};
   const int slots = static_cast<int>(shape.partial_slots);

@@ -236,8 +236,13 @@ class DecodeCta : DecodeItem {
         const float* q = q_ + r * d;
         const float* k = dec_ + i * (d + 1);
         float dot = 0.0f;
+        if (p_.fused_dot) {  // as the emulator's host computes it (core/fused_dot.h)
 #pragma unroll 4
-        for (int c = 0; c < d; ++c) dot = __fadd_rn(dot, __fmul_rn(q[c], k[c]));
+          for (int c = 0; c < d; ++c) dot = __fmaf_rn(q[c], k[c], dot);
+        } else {
+#pragma unroll 4
+          for (int c = 0; c < d; ++c) dot = __fadd_rn(dot, __fmul_rn(q[c], k[c]));
+        }
         score = __fmul_rn(dot, score_scale_);
         if (!isfinite(score)) score = NAN;
       }

@@ -65,6 +65,10 @@ struct DecodeKernelParams {
   int causal = 1;
   int q_mode = 0;  // QMode
   int p_mode = 0;  // PMode
+  // 1 where the emulator this build checks against fuses its Q . K multiply-adds (an aarch64
+  // host: core/fused_dot.h); the exact-order body's scores then fuse too, so that P mode fp8's
+  // codes are the emulator's.
+  int fused_dot = 0;
   // Launch configuration, chosen by the host (decode_launch.cu).
   int pass_rows = 0;       // query rows a CTA holds at once; more rows take several passes
   int sub_tokens = 0;      // KV tokens staged and decoded at once (a multiple of 32)

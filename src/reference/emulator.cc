@@ -6,6 +6,7 @@
 #include <limits>
 #include <numbers>
 
+#include "core/fused_dot.h"
 #include "core/non_finite.h"
 #include "core/query_codes.h"
 #include "mjolnir/error.h"
@@ -119,6 +120,7 @@ void run_item(const DecodeArgs& args, const Plan& plan, const WorkItem& item,
   std::vector<char> poisoned(rows, 0);
   std::vector<float> k_tile(std::size_t(tile) * d), v_tile(std::size_t(tile) * d);
   std::vector<float> s(tile);
+  static const bool fused = host_fuses_dot_products();
 
   for (int tile_begin = item.kv_begin; tile_begin < item.kv_end; tile_begin += tile) {
     const int n = std::min(tile, item.kv_end - tile_begin);
@@ -139,14 +141,14 @@ void run_item(const DecodeArgs& args, const Plan& plan, const WorkItem& item,
           continue;
         }
         float dot = 0.0f;
-        // Fused exactly where the ISA has FMA (cpu::baseline_fuses_multiply_add), spelled out:
+        // Fused exactly where the host's baseline ISA has FMA (core/fused_dot.h), spelled out:
         // left to contraction, GCC 12 -O2 vectorizes `dot += q * k` on aarch64 into rounded
         // vector products summed in order, unfused but for the scalar tail.
-#if defined(__FP_FAST_FMAF)
-        for (int c = 0; c < d; ++c) dot = std::fma(q[c], k_tile[i * d + c], dot);
-#else
-        for (int c = 0; c < d; ++c) dot += q[c] * k_tile[i * d + c];
-#endif
+        if (fused) {
+          for (int c = 0; c < d; ++c) dot = std::fma(q[c], k_tile[i * d + c], dot);
+        } else {
+          for (int c = 0; c < d; ++c) dot += q[c] * k_tile[i * d + c];
+        }
         s[i] = dot * query.score_scale;
         if (!std::isfinite(s[i])) poisoned[r] = 1;
         tile_max = std::max(tile_max, s[i]);
