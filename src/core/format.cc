@@ -3,6 +3,7 @@
 #include "mjolnir/format.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <string>
 
@@ -73,16 +74,39 @@ void encode_nvfp4_row(std::span<const float> values, std::span<std::byte> row) {
   }
 }
 
+// Every code's value, for the element formats of at most 8 bits: the rows below look their codes
+// up instead of decoding each one (the emulator and the exact reference decode every row they
+// read, and under qemu's soft floating point a decode costs far more than a load).
+template <MinifloatSpec kSpec>
+constexpr auto kCodeValues = [] {
+  std::array<float, std::size_t{1} << kSpec.total_bits()> values{};
+  for (std::uint32_t code = 0; code < values.size(); ++code) {
+    values[code] = decode_minifloat<kSpec>(code);
+  }
+  return values;
+}();
+
+template <MinifloatSpec kSpec>
+float decode_code(std::uint32_t code) {
+  if constexpr (kSpec.total_bits() <= 8) {
+    return kCodeValues<kSpec>[code];
+  } else {
+    return decode_minifloat<kSpec>(code);
+  }
+}
+
 void decode_nvfp4_row(std::span<const std::byte> row, std::span<float> out) {
   const std::size_t head_dim = out.size();
   const std::byte* codes = row.data();
   const std::byte* scales = row.data() + head_dim / 2;
-  for (std::size_t channel = 0; channel < head_dim; ++channel) {
-    const float scale = decode_minifloat<kE4M3Spec>(
-        std::to_integer<std::uint32_t>(scales[channel / kNvfp4BlockSize]));
-    out[channel] =
-        decode_minifloat<kE2M1Spec>(read_packed_code<CodePacking::nibble_pairs>(codes, channel)) *
-        scale;
+  for (std::size_t block = 0; block < head_dim / kNvfp4BlockSize; ++block) {
+    const float scale = decode_code<kE4M3Spec>(std::to_integer<std::uint32_t>(scales[block]));
+    for (std::size_t channel = block * kNvfp4BlockSize; channel < (block + 1) * kNvfp4BlockSize;
+         ++channel) {
+      out[channel] =
+          decode_code<kE2M1Spec>(read_packed_code<CodePacking::nibble_pairs>(codes, channel)) *
+          scale;
+    }
   }
 }
 
@@ -105,7 +129,7 @@ template <Format kFormat>
 void decode_plain_row(std::span<const std::byte> row, std::span<float> out) {
   constexpr const FormatFacts& kFacts = kFormatFacts<kFormat>;
   for (std::size_t c = 0; c < out.size(); ++c) {
-    out[c] = decode_minifloat<kFacts.element>(read_packed_code<kFacts.packing>(row.data(), c));
+    out[c] = decode_code<kFacts.element>(read_packed_code<kFacts.packing>(row.data(), c));
   }
 }
 
