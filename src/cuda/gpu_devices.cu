@@ -1,6 +1,8 @@
 // cuda_devices() through the CUDA runtime: the one place that asks the driver what is there.
 #include <cuda_runtime.h>
 
+#include <string>
+
 #include "core/gpu_devices.h"
 
 namespace mjolnir {
@@ -10,9 +12,23 @@ std::vector<GpuDevice> cuda_devices(std::string* why_none) {
   const cudaError_t status = cudaGetDeviceCount(&count);
   if (status != cudaSuccess || count == 0) {
     if (why_none) {
-      *why_none = status != cudaSuccess
-                      ? std::string("no CUDA device: ") + cudaGetErrorString(status)
-                      : std::string("no CUDA device");
+      if (status == cudaErrorInsufficientDriver) {
+        // What the runtime says where no NVIDIA driver is installed at all, as on a machine
+        // without a GPU: "CUDA driver version is insufficient" would send a user after a driver
+        // upgrade.
+        int driver = 0;
+        cudaDriverGetVersion(&driver);
+        *why_none = driver == 0 ? std::string("no CUDA device: no NVIDIA driver is loaded")
+                                : "no CUDA device: the NVIDIA driver (CUDA " +
+                                      std::to_string(driver / 1000) + "." +
+                                      std::to_string(driver % 1000 / 10) +
+                                      ") is older than the CUDA runtime this build uses (CUDA " +
+                                      std::to_string(CUDART_VERSION / 1000) + ")";
+      } else {
+        *why_none = status != cudaSuccess
+                        ? std::string("no CUDA device: ") + cudaGetErrorString(status)
+                        : std::string("no CUDA device");
+      }
     }
     return {};
   }
