@@ -149,7 +149,7 @@ int FastPathTile(int plan_tile, int heads, std::size_t row_bytes) {
 
 // y rounded to bf16 as core/bf16_rows.h does (nearest even, NaN as 0x7FC0), stored at out.
 template <class DF, class V>
-HWY_INLINE void StoreBf16(DF df, V y, std::uint16_t* HWY_RESTRICT out) {
+HWY_INLINE void StoreBf16([[maybe_unused]] DF df, V y, std::uint16_t* HWY_RESTRICT out) {
   const hn::RebindToUnsigned<DF> du;
   const hn::RebindToSigned<DF> di;
   const hn::Rebind<std::uint16_t, DF> d16;

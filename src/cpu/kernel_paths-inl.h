@@ -117,7 +117,8 @@ inline std::size_t DecodedKeyStride(std::size_t d) { return d + d / 2; }
 // apply, Q . K goes on AMX tiles on CPUs that have them; Q mode int8 against codes that are small
 // integers goes on VNNI, vpmaddubsw or sdot, below the rows where the tiles take it.
 template <class Decoder>
-UnitPaths ChooseUnitPaths(const KernelConfig& config, const DecodeArgs& args, int rows) {
+UnitPaths ChooseUnitPaths([[maybe_unused]] const KernelConfig& config, const DecodeArgs& args,
+                          int rows) {
   const Format format = args.cache.geometry.format;
   const int d = args.cache.geometry.head_dim;
   UnitPaths paths;
@@ -261,7 +262,7 @@ struct ScoreScratch {
 // Q . K and the online softmax of one tile for one head: P into probs [R][stride] (or the
 // head's A rows, on AMX values), with 2^p_exp folded in; prefetch_per_key prefetched rows a key.
 template <class Decoder>
-void ScoreHeadTile(const UnitPaths& paths, HeadState& hs, const TileRows& tile,
+void ScoreHeadTile([[maybe_unused]] const UnitPaths& paths, HeadState& hs, const TileRows& tile,
                    const ScoreScratch& s, int p_exp, float* HWY_RESTRICT probs,
                    TilePrefetcher& prefetcher, int prefetch_per_key) {
   const ItemContext& it = hs.it;
@@ -334,7 +335,7 @@ void ScoreHeadTile(const UnitPaths& paths, HeadState& hs, const TileRows& tile,
 template <class Decoder>
 void AccumulateHeadValues(const UnitPaths& paths, HeadState& hs, const TileRows& tile,
                           const float* HWY_RESTRICT probs, std::size_t stride,
-                          std::uint16_t* value_scratch, const DecodedTile& decoded,
+                          [[maybe_unused]] std::uint16_t* value_scratch, const DecodedTile& decoded,
                           TilePrefetcher& prefetcher, int prefetch_rows) {
   const ItemContext& it = hs.it;
   if (paths.amx_values) {

@@ -343,7 +343,8 @@ HWY_INLINE decltype(auto) VisitKernelDecoder(Format format, std::size_t head_dim
 // the CPU's subnormal FMAs are slow): then fp6 on AVX2 goes through fp16 (DecodeFp6Half) and
 // every placed format on SSE4 is lifted (DecodeLifted), which never make an fp32 subnormal.
 template <class Visitor>
-HWY_INLINE decltype(auto) VisitKernelDecoder(Format format, std::size_t, bool avoid_subnormals,
+HWY_INLINE decltype(auto) VisitKernelDecoder(Format format, std::size_t,
+                                             [[maybe_unused]] bool avoid_subnormals,
                                              Visitor&& visit) {
 #if MJOLNIR_FP6_HALF
   if (avoid_subnormals) {
