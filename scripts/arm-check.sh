@@ -59,6 +59,9 @@ for package in hwy GTest; do
     exit 1
   fi
 done
+# The emulated CPU (see the tests below): set before the build, whose test discovery runs the
+# test binaries under qemu and lists the Highway targets that CPU supports.
+export QEMU_CPU=${QEMU_CPU:-max,sve-default-vector-length=16}
 cmake --build build-arm64 -j "$jobs"
 if ! file -b build-arm64/tests/test_cpu_kernels | grep -q "ARM aarch64"; then
   echo "arm-check.sh: build-arm64/tests/test_cpu_kernels is not an aarch64 executable" >&2
@@ -66,8 +69,15 @@ if ! file -b build-arm64/tests/test_cpu_kernels | grep -q "ARM aarch64"; then
 fi
 
 # Every test runs under qemu (CMAKE_CROSSCOMPILING_EMULATOR), with the covering subset of the
-# case matrix (MJOLNIR_TEST_QUICK=1). qemu runs NEON code ~10-30x and SVE code ~50-100x slower
-# than the host, so a few tests are left to the native runs (scripts/test.sh, both builds):
+# case matrix (MJOLNIR_TEST_QUICK=1), on an emulated CPU with 128-bit SVE vectors (QEMU_CPU
+# below), the width of the Neoverse V2 and N2 cores (NVIDIA Grace, AWS Graviton4): Highway then
+# also dispatches its SVE2_128 target, the one those CPUs run, which qemu's default 512-bit
+# vectors never reach. qemu runs 128-bit SVE about 10x faster than 512-bit (the SVE2 quick
+# matrix: 7.7 s against 87 s, 2026-12-06). Not run here: SVE_256 (Graviton3's 256-bit target;
+# QEMU_CPU=max,sve-default-vector-length=32 instantiates it, but qemu took over ten minutes for
+# one third of its quick matrix) and 512-bit vectors (A64FX).
+# qemu runs NEON code ~10-30x slower than the host, so a few tests are left to the native runs
+# (scripts/test.sh, both builds):
 #   CpuKernelTest.TestRounding/*: the exhaustive rounding sweep (~70 million floats x 7
 #     formats, each against the scalar codec) takes 7 to over 15 minutes per target under qemu
 #     here. The same SIMD rounding is still checked bit for bit on NEON, SVE and SVE2 through
@@ -80,11 +90,11 @@ fi
 #     portable scalar C++ with nothing Arm-specific: the four shards took 1000 s of the run's
 #     3060 test-seconds under qemu (2026-12-05), one of them 459 s, the run's long pole.
 #     Shard 0 (a quarter of the covering cases) still runs here; natively, every shard runs.
-#   CpuKernelMatrix.*/{NEON,SVE,SVE2}: the quick case matrix is shared between the three targets
-#     (MJOLNIR_TEST_CASE_EVERY=3: each runs every third case, together every case once). A whole
-#     matrix took about a minute on NEON but over ten on SVE and SVE2 under qemu here (2026-12-04,
-#     once the ragged cases had 32-token query tiles), past the timeout; the full matrix of every
-#     x86 target runs natively.
+#   CpuKernelMatrix.*/{NEON,SVE,SVE2,SVE2_128}: the quick case matrix is shared between the
+#     targets (MJOLNIR_TEST_CASE_EVERY=3: each runs every third case, by its target bit, so every
+#     case runs at least once; NEON and SVE2_128 take the same third). A whole matrix took about
+#     a minute on NEON but over ten on SVE and SVE2 under qemu's 512-bit vectors (2026-12-04);
+#     the full matrix of every x86 target runs natively.
 # (The docs_* tests, host-side Python checks of docs/, are not defined in a cross build.)
 # --timeout: a hung test fails after 10 minutes instead of ctest's 25.
 excluded='CpuKernelTest\.TestRounding/|^CudaEmulated\.|^Reference/CaseMatrix\.Shard/.*"reference", [1-3]\)'
@@ -94,7 +104,7 @@ MJOLNIR_TEST_QUICK=1 MJOLNIR_TEST_CASE_EVERY=3 ctest --test-dir build-arm64 --ou
   -E "$excluded" 2>&1 | tee "$log" || status=$?
 
 # The Highway targets whose kernel tests ran (test_cpu_kernels instantiates every compiled
-# target that qemu's CPU supports; qemu -cpu max has NEON, SVE and SVE2).
+# target that qemu's CPU supports: NEON, SVE, SVE2 and, at 128-bit vectors, SVE2_128).
 targets=$(grep -E 'CpuKernel[A-Za-z]*\.[A-Za-z0-9]+/[A-Z0-9_]+ .*Passed' "$log" | sed -E 's|.*CpuKernel[A-Za-z]*\.[A-Za-z0-9]+/([A-Z0-9_]+) .*|\1|' |
   awk '!seen[$0]++' | tr '\n' ' ')
 echo "arm-check.sh: Highway targets exercised by test_cpu_kernels under qemu: ${targets:-none}"

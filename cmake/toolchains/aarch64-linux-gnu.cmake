@@ -40,8 +40,9 @@ if(mjolnir_cross_pkg_config)
 endif()
 
 # Run aarch64 executables under qemu's user-mode emulator: ctest and gtest_discover_tests use
-# CMAKE_CROSSCOMPILING_EMULATOR. -cpu max: every feature qemu emulates (SVE and SVE2, 512-bit
-# vectors by default), so Highway's NEON, SVE and SVE2 targets all run.
+# CMAKE_CROSSCOMPILING_EMULATOR. The CPU is qemu's default, "max" (every feature it emulates:
+# SVE and SVE2, 512-bit vectors), or what QEMU_CPU says at run time: scripts/arm-check.sh sets
+# QEMU_CPU=max,sve-default-vector-length=16, 128-bit vectors, as Neoverse V2 / N2 cores have.
 # The dynamic loader and libc must come from one glibc build. libhwy1:arm64 pulls in Debian's
 # multiarch libc6:arm64 (/lib/ld-linux-aarch64.so.1, /lib/aarch64-linux-gnu): when it is there,
 # qemu runs with the host's paths and that runtime. `-L /usr/aarch64-linux-gnu` (the cross
@@ -52,8 +53,8 @@ endif()
 find_program(mjolnir_qemu_aarch64 NAMES qemu-aarch64-static qemu-aarch64)
 if(mjolnir_qemu_aarch64)
   if(EXISTS /lib/ld-linux-aarch64.so.1)
-    set(CMAKE_CROSSCOMPILING_EMULATOR ${mjolnir_qemu_aarch64} -cpu max)
+    set(CMAKE_CROSSCOMPILING_EMULATOR ${mjolnir_qemu_aarch64})
   else()
-    set(CMAKE_CROSSCOMPILING_EMULATOR ${mjolnir_qemu_aarch64} -L /usr/${mjolnir_triplet} -cpu max)
+    set(CMAKE_CROSSCOMPILING_EMULATOR ${mjolnir_qemu_aarch64} -L /usr/${mjolnir_triplet})
   endif()
 endif()
