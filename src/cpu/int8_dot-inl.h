@@ -509,14 +509,35 @@ void PrepareInt8Query(const float* HWY_RESTRICT qn, int rows, std::size_t d,
     std::int32_t* row_start = start + r * StartsPerRow<Dec>(d);
     std::fill(row_start, row_start + StartsPerRow<Dec>(d), 0);
     for (std::size_t c0 = 0; c0 < d; c0 += kInt8Chunk) {
+      // The chunk's codes first, then the sums: stores through dst (bytes, which may alias
+      // anything) between the sums' updates would send each update through memory, one
+      // store-to-load chain per lane (a fifth of a 16-token decode call's time, perf).
+      std::int32_t codes[kInt8Chunk];
       for (std::size_t j = 0; j < Dec::kVectors; ++j) {
         for (std::size_t i = 0; i < Dec::kVectorBytes; ++i) {
-          const auto code = static_cast<std::int32_t>(src[c0 + Dec::Channel(j, i)]);
-          dst[c0 + j * Dec::kVectorBytes + i] = static_cast<std::int8_t>(code);
-          std::size_t lane = 0;
-          if constexpr (Dec::kBlockScales) lane = c0 / kInt8Chunk * 16 + Dec::Lane(j, i);
-          row_start[lane] -= Dec::kBias * code;
+          codes[j * Dec::kVectorBytes + i] =
+              static_cast<std::int32_t>(src[c0 + Dec::Channel(j, i)]);
         }
+      }
+      for (std::size_t p = 0; p < kInt8Chunk; ++p) dst[c0 + p] = static_cast<std::int8_t>(codes[p]);
+      if constexpr (Dec::kBlockScales) {
+        // A lane takes 4 consecutive bytes of a vector: byte k of every group in the inner
+        // loop, so that consecutive updates go to different lanes.
+        std::int32_t lanes[16] = {};
+        for (std::size_t k = 0; k < 4; ++k) {
+          for (std::size_t j = 0; j < Dec::kVectors; ++j) {
+            for (std::size_t i = k; i < Dec::kVectorBytes; i += 4) {
+              lanes[Dec::Lane(j, i)] += codes[j * Dec::kVectorBytes + i];
+            }
+          }
+        }
+        for (std::size_t l = 0; l < 16; ++l) {
+          row_start[c0 / kInt8Chunk * 16 + l] -= Dec::kBias * lanes[l];
+        }
+      } else {
+        std::int32_t sum = 0;
+        for (std::size_t p = 0; p < kInt8Chunk; ++p) sum += codes[p];
+        row_start[0] -= Dec::kBias * sum;
       }
     }
   }
