@@ -3,10 +3,10 @@
 #include "mjolnir/format.h"
 
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <string>
 
+#include "core/code_values.h"
 #include "core/format_table.h"
 #include "core/minifloat.h"
 #include "mjolnir/error.h"
@@ -74,17 +74,10 @@ void encode_nvfp4_row(std::span<const float> values, std::span<std::byte> row) {
   }
 }
 
-// Every code's value, for the element formats of at most 8 bits: the rows below look their codes
-// up instead of decoding each one (the emulator and the exact reference decode every row they
-// read, and under qemu's soft floating point a decode costs far more than a load).
+// The element formats of at most 8 bits look their codes up in a table of every code's value
+// instead of decoding each one: the emulator and the exact reference decode every row they read.
 template <MinifloatSpec kSpec>
-constexpr auto kCodeValues = [] {
-  std::array<float, std::size_t{1} << kSpec.total_bits()> values{};
-  for (std::uint32_t code = 0; code < values.size(); ++code) {
-    values[code] = decode_minifloat<kSpec>(code);
-  }
-  return values;
-}();
+constexpr auto kCodeValues = minifloat_values<kSpec>();
 
 template <MinifloatSpec kSpec>
 float decode_code(std::uint32_t code) {

@@ -5,6 +5,7 @@
 #include <array>
 #include <cstdint>
 
+#include "core/code_values.h"
 #include "core/minifloat.h"
 
 namespace mjolnir::cpu {
@@ -12,13 +13,12 @@ namespace mjolnir::cpu {
 // Every e4m3 code's value times 2^scale_exp (nvfp4 block scales are decoded through it).
 template <int kScaleExp>
 constexpr std::array<float, 256> e4m3_value_table() {
-  std::array<float, 256> table{};
+  std::array<float, 256> table = minifloat_values<kE4M3Spec>();
   const float scale = minifloat_detail::exact_power_of_two(kScaleExp);
-  for (std::uint32_t code = 0; code < 256; ++code) {
-    const float value = decode_minifloat<kE4M3Spec>(code);
+  for (float& value : table) {
     // NaN codes stay NaN without arithmetic on them: clang rejects NaN-producing arithmetic in
     // a constant expression.
-    table[code] = value != value ? value : value * scale;
+    if (value == value) value *= scale;
   }
   return table;
 }
