@@ -1018,6 +1018,40 @@ TEST(CpuWorkUnits, CoverEveryItemOnce) {
   }
 }
 
+// One sequence on two threads, P in fp32: a short chunk goes to two groups of heads (no merges),
+// a long one to two token parts of whole tiles that merge back into every head.
+TEST(CpuWorkUnits, ShortChunksGoToHeadGroupsLongOnesToTokenParts) {
+  for (const int len : {1, 128, cpu::kHeadGroupMaxTokens, cpu::kHeadGroupMaxTokens + 1, 8192}) {
+    mjolnir::PlanOptions options;
+    options.workers = 2;
+    options.max_splits = 1;
+    mjolnir::Plan plan(mjolnir::PlanCapacity{1, 8, 16});
+    const std::vector<std::int32_t> lens{len};
+    mjolnir::make_plan(plan, lens, 1, 8, options);
+    cpu::UnitSchedule schedule;
+    cpu::make_units(plan, 2, /*may_cut_tokens=*/true, schedule);
+    ASSERT_EQ(schedule.units.size(), 2u) << len << " tokens";
+    if (len <= cpu::kHeadGroupMaxTokens) {
+      EXPECT_TRUE(schedule.merges.empty()) << len << " tokens";
+      for (const cpu::WorkUnit& u : schedule.units) {
+        EXPECT_EQ(u.heads, 4) << len << " tokens";
+        EXPECT_EQ(u.kv_end - u.kv_begin, len) << len << " tokens";
+        EXPECT_EQ(u.part_slot, -1) << len << " tokens";
+      }
+    } else {
+      ASSERT_EQ(schedule.merges.size(), 1u) << len << " tokens";
+      EXPECT_EQ(schedule.merges[0].heads, 8);
+      EXPECT_EQ(schedule.merges[0].parts, 2);
+      EXPECT_EQ(schedule.merge_tasks.size(), 8u);
+      for (const cpu::WorkUnit& u : schedule.units) {
+        EXPECT_EQ(u.heads, 8) << len << " tokens";
+        EXPECT_GE(u.part_slot, 0) << len << " tokens";
+        EXPECT_EQ(u.kv_begin % plan.tile_tokens, 0) << len << " tokens";
+      }
+    }
+  }
+}
+
 // Steps with fewer chunks than threads: the backend cuts chunks into token parts (P fp32) or
 // groups of heads (P rounded) so every thread works; results must not depend on it.
 TEST_P(CpuKernelMatrix, FewChunksCutForThreadsMatchEmulator) {
@@ -1087,9 +1121,9 @@ TEST_P(CpuKernelMatrix, Bf16QueryAndOutputRowsAreTheFloat32StepRounded) {
           s.seq_lens = {700, 300};
           options.fixed_splits = 3;
           break;
-        case 2:  // one chunk for two threads: token parts, merged (P in fp32)
+        case 2:  // one long chunk for two threads: token parts, merged (P in fp32)
           s.params.p_mode = PMode::fp32;
-          s.seq_lens = {900};
+          s.seq_lens = {cpu::kHeadGroupMaxTokens + 300};
           options.max_splits = 1;
           break;
         default:  // a ragged step (a prompt and a decode token) with 8 query rows per item

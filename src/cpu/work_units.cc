@@ -37,7 +37,16 @@ void make_units(const Plan& plan, int threads, bool may_cut_tokens, UnitSchedule
   const int chunks = static_cast<int>(units.size());
   if (chunks == 0 || threads <= 1) return;
 
-  if (chunks < threads && may_cut_tokens) {
+  int max_heads = 1, max_tokens = 0;
+  for (const WorkUnit& u : units) {
+    max_heads = std::max(max_heads, u.heads);
+    max_tokens = std::max(max_tokens, u.kv_end - u.kv_begin);
+  }
+  // Short chunks go to groups of heads even where their tokens may be cut (see
+  // kHeadGroupMaxTokens), when the heads are enough to give every thread work.
+  const bool short_chunks_in_head_groups =
+      max_tokens <= kHeadGroupMaxTokens && chunks * max_heads >= threads;
+  if (chunks < threads && may_cut_tokens && !short_chunks_in_head_groups) {
     // Fewer chunks than threads (batch 1, short batches): cut each chunk's tokens into whole
     // tiles, ceil(threads / chunks) parts, so every thread streams whole pages of its own.
     const int parts = ceil_div(threads, chunks);
@@ -64,10 +73,8 @@ void make_units(const Plan& plan, int threads, bool may_cut_tokens, UnitSchedule
     return;
   }
 
-  // Enough chunks, or P codes that must follow the plan's tiles: cut chunks into groups of heads
-  // only as far as needed for even shares (every thread busy to the end).
-  int max_heads = 1;
-  for (const WorkUnit& u : units) max_heads = std::max(max_heads, u.heads);
+  // Enough chunks, short ones, or P codes that must follow the plan's tiles: cut chunks into
+  // groups of heads only as far as needed for even shares (every thread busy to the end).
   const auto balanced = [&](int p) {
     const std::int64_t n = std::int64_t(chunks) * p;
     return n >= threads && (n % threads == 0 || n >= 4 * threads);

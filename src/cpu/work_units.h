@@ -6,8 +6,9 @@
 // which streams at the machine's read bandwidth, where one head's rows alone are scattered at
 // the token stride and stream at half of it or less. A chunk is cut into smaller units only to
 // give every thread work: into token parts when P is fp32 (their results merge by LSE, exact up
-// to fp32 rounding, as the contract allows), otherwise into groups of heads (bit-identical
-// P codes need the plan's own tiles and split points).
+// to fp32 rounding, as the contract allows) unless the chunk is short (kHeadGroupMaxTokens),
+// otherwise into groups of heads (bit-identical P codes need the plan's own tiles and split
+// points).
 #pragma once
 
 #include <cstddef>
@@ -62,6 +63,16 @@ struct CpuPlan final : BackendPlan::Prepared {
 
 // Most token parts one chunk is cut into.
 inline constexpr int kMaxParts = 64;
+
+// Chunks of at most this many tokens are cut into groups of heads, not token parts, even where P
+// is fp32, when the heads give every thread work. At short contexts a token part's fixed costs
+// weigh: every part prepares the queries of all the chunk's heads, keeps all their state, and
+// its results go through a merge. On torch's threads (the vLLM plugin; Emerald Rapids, 2
+// threads, Hq 32, Hk 8, D 128, BHN2D, 9 interleaved rounds) head groups took 0.73x the time of
+// token parts at 128 tokens, 0.78-0.87x at 256, 0.85-0.93x at 512, 0.87-0.97x at 1024 (bf16 and
+// nvfp4 caches); on mjolnir's own pool they were within the noise up to 4096 tokens, and
+// 5-10% slower from 32k tokens in B2NHD, where a head group's rows are scattered.
+inline constexpr int kHeadGroupMaxTokens = 1024;
 
 // Units for `plan` on `threads` threads; token parts only when `may_cut_tokens`.
 void make_units(const Plan& plan, int threads, bool may_cut_tokens, UnitSchedule& schedule);
