@@ -17,6 +17,10 @@ interleaved rounds. Needs the venv of scripts/vllm-check.sh (torch, vLLM, mjolni
   build-python/venv/bin/python scripts/vllm_op_bench.py --formats bf16,fp6_e2m3 [--json FILE]
       # a decode step at long contexts (4k, 16k) over each mjolnir format, against vLLM's op
       # over its bf16 cache: what one layer's attention costs the end-to-end decode
+  build-python/venv/bin/python scripts/vllm_op_bench.py --cold [--json FILE]
+      # a short decode call warm, after its caches were evicted (a 16 MiB copy), and after the
+      # eviction and a call over another cache (the code and the state every call shares warm
+      # again, this call's data cold): what a cold call waits for
 """
 
 from __future__ import annotations
@@ -205,11 +209,84 @@ def decode_formats(formats, cases, rounds: int) -> list:
     return rows
 
 
+def cold_calls(contexts, rounds: int) -> list:
+    """One layer's decode call at batch 1 (vLLM's op over bf16; mjolnir's Step.attend over bf16
+    and nvfp4, "auto" modes): warm (back to back), "cold" (each after a 16 MiB copy on this
+    thread, which evicts its L1 and L2), and "code_warm" (the copy, then the same call over
+    another cache of the same shape: the code, the backend's state and Python's paths warm, this
+    call's cache, query and output cold). Interleaved rounds of 30 calls, the median call of each
+    round, then the median over rounds (microseconds)."""
+    import os
+    from mjolnir import _ext
+    hq, hk, d, block = 32, 8, 128, 32
+    isa = vllm_isa()
+    one = torch.ones(1)
+    src, dst = bytearray(os.urandom(1 << 24)), bytearray(1 << 24)
+
+    def evict():
+        dst[:] = src
+
+    rows = []
+    for context in contexts:
+        num_blocks, table, seq_lens, starts = decode_step(1, context, block)
+        step = torch.ops.mjolnir.plan_step(seq_lens, table, starts, 0, hq, hk, q_mode="auto",
+                                           p_mode="auto")
+        keep = []
+
+        def call(name):  # a callable over a cache of its own for `name`
+            q = torch.randn(1, hq, d, dtype=torch.bfloat16)
+            out = torch.empty(1, hq, d, dtype=torch.bfloat16)
+            if name == "vllm":
+                theirs = torch.randn(num_blocks, hk, block, 2 * d).to(torch.bfloat16)
+                kc, vc = theirs.view(num_blocks, hk, 2 * block, d).chunk(2, dim=2)
+                keep.append((q, out, theirs))
+                return vllm_attention(q, kc, vc, out, starts, seq_lens, table, isa)
+            kv = torch.randn(num_blocks * block, hk, d, dtype=torch.bfloat16)
+            width = 2 * d if name == "bf16" else 2 * _ext.row_bytes(name, d)
+            pool = torch.empty(num_blocks, hk, block, width,
+                               dtype=torch.bfloat16 if name == "bf16" else torch.uint8)
+            view = pool.view(num_blocks, hk, 2, block, width // 2).permute(0, 1, 3, 2, 4)
+            torch.ops.mjolnir.write_kv(kv, kv, view, torch.arange(num_blocks * block), one, one,
+                                       name, "BHN2D")
+            keep.append((q, out, pool))
+            return lambda: step.attend(out, q, view, one, one, name, "BHN2D", d ** -0.5)
+
+        names = ("vllm", "bf16", "nvfp4")
+        mine = {name: call(name) for name in names}
+        other = {name: call(name) for name in names}
+        before = {"warm": lambda name: None, "cold": lambda name: evict(),
+                  "code_warm": lambda name: (evict(), other[name]())}
+        samples = {(n, b): [] for n in names for b in before}
+        for fn in list(mine.values()) + list(other.values()):
+            fn()
+        for _ in range(rounds):
+            for (name, kind), per_round in samples.items():
+                times = []
+                for _ in range(30):
+                    before[kind](name)
+                    t0 = time.perf_counter()
+                    mine[name]()
+                    times.append((time.perf_counter() - t0) * 1e6)
+                per_round.append(statistics.median(times))
+        label = {"vllm": f"vllm_{isa}_bf16", "bf16": "mjolnir_bf16", "nvfp4": "mjolnir_nvfp4"}
+        row = {"kind": "decode", "batch": 1, "context": context,
+               **{f"{label[n]}_{b}_us": statistics.median(v) for (n, b), v in samples.items()}}
+        rows.append(row)
+        print(f"context {context}: " + ", ".join(
+            f"{label[n]} " + " / ".join(f"{statistics.median(samples[(n, b)]):.0f}"
+                                        for b in before)
+            for n in names) + " us (warm / cold / code warm)", flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--calls", type=int, default=400)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--cold", action="store_true",
+                        help="time short decode calls warm, with their caches evicted, and "
+                             "with only the call's own data cold (contexts 16 and 256)")
     parser.add_argument("--prefill", action="store_true",
                         help="time a prompt's attention (1024 and 4096 tokens) instead")
     parser.add_argument("--formats",
@@ -222,6 +299,16 @@ def main() -> None:
         load_kernels()
         cases = [tuple(int(x) for x in case.split("x"))[::-1] for case in args.cases.split(",")]
         rows = decode_formats(args.formats.split(","), cases, args.rounds)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"machine": machine_name(), "date": time.strftime("%Y-%m-%d"),
+                           "torch_threads": torch.get_num_threads(),
+                           "shape": {"hq": 32, "hk": 8, "d": 128, "block": 32},
+                           "rows": rows}, f, indent=1)
+        return
+    if args.cold:
+        load_kernels()
+        rows = cold_calls((16, 256), args.rounds)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"machine": machine_name(), "date": time.strftime("%Y-%m-%d"),
