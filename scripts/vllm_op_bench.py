@@ -279,6 +279,16 @@ def cold_calls(contexts, rounds: int) -> list:
     return rows
 
 
+def write_decode_rows(path, rows: list) -> None:
+    """The decode rows of --formats or --cold as a results file at `path` (nothing if None)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump({"machine": machine_name(), "date": time.strftime("%Y-%m-%d"),
+                       "torch_threads": torch.get_num_threads(),
+                       "shape": {"hq": 32, "hk": 8, "d": 128, "block": 32},
+                       "rows": rows}, f, indent=1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the results here")
@@ -298,23 +308,11 @@ def main() -> None:
     if args.formats:
         load_kernels()
         cases = [tuple(int(x) for x in case.split("x"))[::-1] for case in args.cases.split(",")]
-        rows = decode_formats(args.formats.split(","), cases, args.rounds)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"machine": machine_name(), "date": time.strftime("%Y-%m-%d"),
-                           "torch_threads": torch.get_num_threads(),
-                           "shape": {"hq": 32, "hk": 8, "d": 128, "block": 32},
-                           "rows": rows}, f, indent=1)
+        write_decode_rows(args.json, decode_formats(args.formats.split(","), cases, args.rounds))
         return
     if args.cold:
         load_kernels()
-        rows = cold_calls((16, 256), args.rounds)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"machine": machine_name(), "date": time.strftime("%Y-%m-%d"),
-                           "torch_threads": torch.get_num_threads(),
-                           "shape": {"hq": 32, "hk": 8, "d": 128, "block": 32},
-                           "rows": rows}, f, indent=1)
+        write_decode_rows(args.json, cold_calls((16, 256), args.rounds))
         return
     if args.prefill:
         load_kernels()
