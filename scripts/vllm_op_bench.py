@@ -2,7 +2,7 @@
 """Per-call cost of the plugin's ops against vLLM's own CPU ops, at the shapes where that cost
 shows: short contexts, one new token per sequence.
 
-  mjolnir: Step.attend (what the plugin calls) with a plan made once per step (plan_step, timed
+  mjolnir: attend_step (what the plugin calls) with a plan made once per step (plan_step, timed
            apart),
            torch.ops.mjolnir.write_kv
   vLLM:    torch.ops._C.cpu_attention_with_kv_cache (with its scheduler metadata, made once),
@@ -87,6 +87,13 @@ def vllm_attention(q, kc, vc, out, starts, seq_lens, table, isa: str):
         dynamic_causal=None, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
 
 
+def attend_of(step):
+    """A layer's call of a planned step as the plugin makes it: the operator that takes the
+    step's id (taken once, as the plugin does), with the rest of attend's arguments."""
+    op, step_id = torch.ops.mjolnir.attend_step, step.id()
+    return lambda *args: op(step_id, *args)
+
+
 def load_kernels() -> None:
     """mjolnir's ops (torch.ops.mjolnir) and vLLM's CPU kernels (torch.ops._C)."""
     import mjolnir  # noqa: F401
@@ -118,6 +125,7 @@ def prefill(lengths, rounds: int) -> list:
         steps = {mode: torch.ops.mjolnir.plan_step(seq_lens, table, starts, 0, hq, hk,
                                                    q_mode=mode, p_mode=mode)
                  for mode in ("fp32", "auto")}
+        attends = {mode: attend_of(step) for mode, step in steps.items()}
         # The prompt's cache write: vLLM's into its layout, mjolnir's into BHN2D (bf16, and fp8
         # where vLLM's own op takes it), every token a slot of its own.
         key = torch.randn(n, hk, d, dtype=torch.bfloat16)
@@ -134,9 +142,9 @@ def prefill(lengths, rounds: int) -> list:
             "mjolnir_write_fp8_ms": lambda: torch.ops.mjolnir.write_kv(
                 key, key, fp8_view, slots, one, one, "fp8_e4m3", "BHN2D"),
             f"vllm_{isa}_ms": vllm_attention(q, kc, vc, out, starts, seq_lens, table, isa),
-            "mjolnir_fp32_ms": lambda: steps["fp32"].attend(out, q, view, one, one, "bf16",
+            "mjolnir_fp32_ms": lambda: attends["fp32"](out, q, view, one, one, "bf16",
                                                             "BHN2D", d ** -0.5),
-            "mjolnir_auto_ms": lambda: steps["auto"].attend(out, q, view, one, one, "bf16",
+            "mjolnir_auto_ms": lambda: attends["auto"](out, q, view, one, one, "bf16",
                                                             "BHN2D", d ** -0.5),
         }
         samples = {name: [] for name in fns}
@@ -158,7 +166,7 @@ def prefill(lengths, rounds: int) -> list:
 
 def decode_formats(formats, cases, rounds: int) -> list:
     """One layer's decode step (one new token per sequence) at long contexts: vLLM's op over
-    its bf16 cache against mjolnir's Step.attend over a cache of each format (written by
+    its bf16 cache against mjolnir's attend_step over a cache of each format (written by
     write_kv from the same Gaussian K / V, per-tensor scales 1), in the plugin's "auto" modes.
     Each call follows a matmul of a layer's size, as in a model's step; interleaved rounds of 20
     calls, the median call of each round, then the median over rounds (microseconds)."""
@@ -176,6 +184,7 @@ def decode_formats(formats, cases, rounds: int) -> list:
         fns = {f"vllm_{isa}_bf16": vllm_attention(q, kc, vc, out, starts, seq_lens, table, isa)}
         step = torch.ops.mjolnir.plan_step(seq_lens, table, starts, 0, hq, hk, q_mode="auto",
                                            p_mode="auto")  # the plugin's defaults
+        step_attend = attend_of(step)
         caches = []  # keeps each format's pool alive
         tokens = num_blocks * block
         kv = torch.randn(tokens, hk, d, dtype=torch.bfloat16)
@@ -190,7 +199,7 @@ def decode_formats(formats, cases, rounds: int) -> list:
             torch.ops.mjolnir.write_kv(kv, kv, view, torch.arange(tokens, dtype=torch.int64),
                                        one, one, fmt, "BHN2D")
             caches.append(pool)
-            fns[f"mjolnir_{fmt}"] = (lambda view=view, fmt=fmt: step.attend(
+            fns[f"mjolnir_{fmt}"] = (lambda view=view, fmt=fmt: step_attend(
                 out, q, view, one, one, fmt, "BHN2D", d ** -0.5))
         for fn in fns.values():  # warm-up
             for _ in range(3):
@@ -210,9 +219,10 @@ def decode_formats(formats, cases, rounds: int) -> list:
 
 
 def cold_calls(contexts, rounds: int) -> list:
-    """One layer's decode call at batch 1 (vLLM's op over bf16; mjolnir's Step.attend over bf16
-    and nvfp4, "auto" modes): warm (back to back), "cold" (each after a 16 MiB copy on this
-    thread, which evicts its L1 and L2), and "code_warm" (the copy, then the same call over
+    """One layer's decode call at batch 1 (vLLM's op over bf16; mjolnir's attend_step over bf16
+    and nvfp4, "auto" modes, and over nvfp4 through the Step's own method, step.attend, the
+    plugin's call before attend_step): warm (back to back), "cold" (each after a 16 MiB copy
+    on this thread, which evicts its L1 and L2), and "code_warm" (the copy, then the same call over
     another cache of the same shape: the code, the backend's state and Python's paths warm, this
     call's cache, query and output cold). Interleaved rounds of 30 calls, the median call of each
     round, then the median over rounds (microseconds)."""
@@ -231,6 +241,7 @@ def cold_calls(contexts, rounds: int) -> list:
         num_blocks, table, seq_lens, starts = decode_step(1, context, block)
         step = torch.ops.mjolnir.plan_step(seq_lens, table, starts, 0, hq, hk, q_mode="auto",
                                            p_mode="auto")
+        step_attend = attend_of(step)
         keep = []
 
         def call(name):  # a callable over a cache of its own for `name`
@@ -242,16 +253,18 @@ def cold_calls(contexts, rounds: int) -> list:
                 keep.append((q, out, theirs))
                 return vllm_attention(q, kc, vc, out, starts, seq_lens, table, isa)
             kv = torch.randn(num_blocks * block, hk, d, dtype=torch.bfloat16)
-            width = 2 * d if name == "bf16" else 2 * _ext.row_bytes(name, d)
+            fmt = name.removesuffix("_method")
+            width = 2 * d if fmt == "bf16" else 2 * _ext.row_bytes(fmt, d)
             pool = torch.empty(num_blocks, hk, block, width,
-                               dtype=torch.bfloat16 if name == "bf16" else torch.uint8)
+                               dtype=torch.bfloat16 if fmt == "bf16" else torch.uint8)
             view = pool.view(num_blocks, hk, 2, block, width // 2).permute(0, 1, 3, 2, 4)
             torch.ops.mjolnir.write_kv(kv, kv, view, torch.arange(num_blocks * block), one, one,
-                                       name, "BHN2D")
+                                       fmt, "BHN2D")
             keep.append((q, out, pool))
-            return lambda: step.attend(out, q, view, one, one, name, "BHN2D", d ** -0.5)
+            attend = step.attend if name.endswith("_method") else step_attend
+            return lambda: attend(out, q, view, one, one, fmt, "BHN2D", d ** -0.5)
 
-        names = ("vllm", "bf16", "nvfp4")
+        names = ("vllm", "bf16", "nvfp4", "nvfp4_method")
         mine = {name: call(name) for name in names}
         other = {name: call(name) for name in names}
         before = {"warm": lambda name: None, "cold": lambda name: evict(),
@@ -268,7 +281,8 @@ def cold_calls(contexts, rounds: int) -> list:
                     mine[name]()
                     times.append((time.perf_counter() - t0) * 1e6)
                 per_round.append(statistics.median(times))
-        label = {"vllm": f"vllm_{isa}_bf16", "bf16": "mjolnir_bf16", "nvfp4": "mjolnir_nvfp4"}
+        label = {"vllm": f"vllm_{isa}_bf16", "bf16": "mjolnir_bf16", "nvfp4": "mjolnir_nvfp4",
+                 "nvfp4_method": "mjolnir_nvfp4_step_method"}
         row = {"kind": "decode", "batch": 1, "context": context,
                **{f"{label[n]}_{b}_us": statistics.median(v) for (n, b), v in samples.items()}}
         rows.append(row)
@@ -354,9 +368,10 @@ def main() -> None:
         view = ours.view(num_blocks, hk, 2, block, d).permute(0, 1, 3, 2, 4)
         step = torch.ops.mjolnir.plan_step(seq_lens, table, starts, 0, hq, hk, q_mode="auto",
                                            p_mode="auto")  # the plugin's defaults
+        step_attend = attend_of(step)
 
-        def mjolnir_attention():  # what the plugin calls: the Step's method
-            step.attend(out.view(batch, hq, d), q, view, one, one, "bf16", "BHN2D", d ** -0.5)
+        def mjolnir_attention():  # what the plugin calls: attend_step with the step's id
+            step_attend(out.view(batch, hq, d), q, view, one, one, "bf16", "BHN2D", d ** -0.5)
 
         def mjolnir_plan():
             torch.ops.mjolnir.plan_step(seq_lens, table, starts, 0, hq, hk, q_mode="auto",

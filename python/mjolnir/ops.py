@@ -1,5 +1,5 @@
 """PyTorch operators over the mjolnir C++ library: torch.ops.mjolnir.{write_kv, decode,
-decode_into, plan_step, attend, plan}.
+decode_into, plan_step, attend, attend_step, plan}.
 
 All but `plan` are registered from C++ (python/mjolnir/csrc/torch_ops.cpp, loaded with
 mjolnir._ext), with Meta kernels for torch.compile, and check their arguments there: a bad one
@@ -19,6 +19,13 @@ A serving loop plans once per step and runs that plan for every layer:
     for layer in layers:
         torch.ops.mjolnir.attend(step, output, q, kv_cache, k_scale, v_scale, "fp8_e4m3")
 
+`attend` takes the Step object, so PyTorch dispatches it through Python; `step.attend(...)`
+(the object's own method) and `torch.ops.mjolnir.attend_step(step.id(), ...)` do the same work
+for less per call, the second least: an operator of plain arguments, about 15 us less than the
+method when the core's caches are cold, which is what a layer's call finds after the layer's
+matmuls (docs/vllm.md). The id is valid while the Step object lives; a call with the id of a
+step that is gone raises ValueError.
+
 On the CPU both run on torch's intra-op threads (threads=0), so mjolnir shares the cores with
 torch instead of competing with its spinning OpenMP threads; threads=N runs on N of its own.
 """
@@ -36,6 +43,7 @@ decode_into = torch.ops.mjolnir.decode_into
 write_kv = torch.ops.mjolnir.write_kv
 plan_step = torch.ops.mjolnir.plan_step
 attend = torch.ops.mjolnir.attend
+attend_step = torch.ops.mjolnir.attend_step
 
 
 def _host_int32(name: str, t) -> torch.Tensor:

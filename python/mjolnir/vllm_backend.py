@@ -35,6 +35,8 @@ from . import calibrate
 from .config import AttnConfig
 from .vllm_layers import block_size_reason, feature_reason
 
+_attend_step = torch.ops.mjolnir.attend_step
+
 # vLLM cache dtype names -> mjolnir formats ("auto" = the cache holds the model dtype).
 _KV_DTYPE_FORMAT = {"fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
 _TORCH_FORMAT = {torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -155,8 +157,11 @@ class MjolnirCPUAttentionBackend(CPUAttentionBackend):
 
 @dataclasses.dataclass
 class MjolnirCPUAttentionMetadata(CPUAttentionMetadata):
-    # The step's plan (torch.classes.mjolnir.Step), made once by the builder for every layer.
+    # The step's plan (torch.classes.mjolnir.Step), made once by the builder for every layer,
+    # and its id, which the layers pass to torch.ops.mjolnir.attend_step (valid while the step
+    # lives, that is while this metadata does).
     mjolnir_step: Any = None
+    mjolnir_step_id: Optional[int] = None
 
 
 class MjolnirCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
@@ -234,6 +239,7 @@ class MjolnirCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         # Per-request causality is the PyTorch path's; a group of vLLM's layers needs no plan.
         if meta.dynamic_causal is None and self.mjolnir_owned:
             meta.mjolnir_step = plan_step(meta, self.num_heads, self.num_kv_heads, self.config)
+            meta.mjolnir_step_id = meta.mjolnir_step.id()
         return meta
 
 
@@ -419,18 +425,22 @@ class MjolnirCPUAttentionImpl(CPUAttentionBackendImpl):
             type(self).last_fallback_reason = why
             self.torch_attention(layer, query, kv_cache, attn_metadata, output)
             return output
-        step = getattr(attn_metadata, "mjolnir_step", None)
-        if step is None:  # metadata vLLM's builder made: plan it once, for every layer
-            step = plan_step(attn_metadata, self.num_heads, self.num_kv_heads, self._config())
-            attn_metadata.__dict__["mjolnir_step"] = step
+        step_id = getattr(attn_metadata, "mjolnir_step_id", None)
+        if step_id is None:
+            step = getattr(attn_metadata, "mjolnir_step", None)
+            if step is None:  # metadata vLLM's builder made: plan it once, for every layer
+                step = plan_step(attn_metadata, self.num_heads, self.num_kv_heads, self._config())
+                attn_metadata.__dict__["mjolnir_step"] = step  # keeps the step and its id alive
+            step_id = attn_metadata.__dict__["mjolnir_step_id"] = step.id()
         n = int(attn_metadata.num_actual_tokens)
         k_scale, v_scale = self.scales(layer)
-        # The Step's own method, not torch.ops.mjolnir.attend: an operator with a torchbind
-        # argument is dispatched through Python, about 40 us a call more (a layer's decode step
-        # of a short context costs less than that).
-        step.attend(output[:n].view(n, self.num_heads, self.head_size), query[:n],
-                    self.cache_view(kv_cache), k_scale, v_scale, self.mjolnir_format_of_layer(),
-                    LAYOUT, self.scale)
+        # By the step's id, not torch.ops.mjolnir.attend(step, ...) (an operator with a torchbind
+        # argument is dispatched through Python, about 40 us a call more) nor step.attend (a
+        # torchbind method: about 15 us more than an operator when the caches are cold, as a
+        # layer's call finds them; a short context's decode call is not much longer).
+        _attend_step(step_id, output[:n].view(n, self.num_heads, self.head_size), query[:n],
+                     self.cache_view(kv_cache), k_scale, v_scale,
+                     self.mjolnir_format_of_layer(), LAYOUT, self.scale)
         type(self).mjolnir_steps += 1
         return output
 

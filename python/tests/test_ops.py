@@ -274,6 +274,17 @@ def test_plan_step_runs_every_layer(gen):
         torch.ops.mjolnir.attend(step, padded, q, p.kv_cache, p.k_scale, p.v_scale, p.fmt,
                                  "BHN2D")
         assert torch.isnan(padded[rows:]).all(), "wrote past the step's query rows"
+        # The step's own method and the operator that takes its id (what the vLLM plugin
+        # calls) run the same plan: the same bits, and the same padding left alone.
+        for call in ("method", "by_id"):
+            other = torch.full_like(padded, float("nan"))
+            if call == "method":
+                step.attend(other, q, p.kv_cache, p.k_scale, p.v_scale, p.fmt, "BHN2D", 0.0)
+            else:
+                torch.ops.mjolnir.attend_step(step.id(), other, q, p.kv_cache, p.k_scale,
+                                              p.v_scale, p.fmt, "BHN2D")
+            assert torch.equal(other[:rows], padded[:rows]), call
+            assert torch.isnan(other[rows:]).all(), call
         once = torch.ops.mjolnir.decode(q[:rows], p.kv_cache, p.block_table, p.seq_lens,
                                         p.k_scale, p.v_scale, p.fmt, 0, "BHN2D",
                                         query_start=p.query_start)
@@ -295,6 +306,34 @@ def test_plan_step_runs_every_layer(gen):
         bad = first.query_start.clone()
         bad[2:] += int(first.seq_lens[1]) + 1
         torch.ops.mjolnir.plan_step(first.seq_lens, first.block_table, bad, 0, 4, 2)
+
+
+def test_attend_step_needs_a_live_step(gen):
+    """attend_step takes a Step's id(): ids are distinct, a call for a step that is gone is a
+    ValueError naming the step, and the meta kernel checks devices as the others do."""
+    p = Problem(gen, "fp8_e4m3", "BHN2D", 1, "head", num_seqs=2, max_len=60)
+    steps = [torch.ops.mjolnir.plan_step(p.seq_lens, p.block_table, None, 1, p.q.shape[1], 2)
+             for _ in range(2)]
+    ids = [s.id() for s in steps]
+    assert ids[0] != ids[1]
+    out = torch.empty_like(p.q)
+    torch.ops.mjolnir.attend_step(ids[1], out, p.q, p.kv_cache, p.k_scale, p.v_scale,
+                                  "fp8_e4m3", "BHN2D")
+    want = torch.ops.mjolnir.decode(p.q, p.kv_cache, p.block_table, p.seq_lens, p.k_scale,
+                                    p.v_scale, "fp8_e4m3", 1, "BHN2D")
+    assert torch.equal(out, want)
+    del steps
+    import gc
+    gc.collect()
+    for gone in ids + [-1]:
+        with pytest.raises(ValueError, match=rf"^step: no live step has id {gone} "):
+            torch.ops.mjolnir.attend_step(gone, out, p.q, p.kv_cache, p.k_scale, p.v_scale,
+                                          "fp8_e4m3", "BHN2D")
+    live = torch.ops.mjolnir.plan_step(p.seq_lens, p.block_table, None, 1, p.q.shape[1], 2)
+    meta = [t.to("meta") for t in (out, p.q, p.kv_cache, p.k_scale, p.v_scale)]
+    torch.ops.mjolnir.attend_step(live.id(), *meta, "fp8_e4m3", "BHN2D")
+    with pytest.raises(ValueError, match=r"^q: on cpu, but other arguments are on meta"):
+        torch.ops.mjolnir.attend_step(live.id(), meta[0], p.q, *meta[2:], "fp8_e4m3", "BHN2D")
 
 
 # --- write_kv against an independent quantizer ---------------------------------------------------

@@ -20,6 +20,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -27,6 +28,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <unordered_map>
 #include <vector>
 
 #include "mjolnir/decode.h"
@@ -508,9 +510,8 @@ class Step final : public torch::CustomClassHolder {
       max_tile_rows_ = std::max(max_tile_rows_, plan_.plan().query_tiles[i].q_count * g);
     }
   }
-  ~Step() override {
-    if (workspace_) HostWorkspaces::give_back(std::move(workspace_), workspace_capacity_);
-  }
+  ~Step() override;
+  void release_resources() override;
 
   // The plan for one layer: its cache (any format and scales) and its q / output rows.
   void run(at::Tensor& output, const at::Tensor& q, const at::Tensor& kv_cache,
@@ -600,6 +601,8 @@ class Step final : public torch::CustomClassHolder {
   }
   std::int64_t workers() const { return backend_->workers(); }
   std::int64_t query_rows() const { return rows_; }
+  // The handle attend_step takes: unique in the process, never reused.
+  std::int64_t id() const { return id_; }
 
  private:
   StepTensors tensors_;
@@ -615,7 +618,60 @@ class Step final : public torch::CustomClassHolder {
   std::size_t workspace_capacity_ = 0;
   RowScratch scratch_;   // q and o rows converted to float32, reused by every layer
   DeviceUpload upload_;  // a device step: where its plan was uploaded (SharedDeviceSteps)
+  const std::int64_t id_ = next_step_id();
+
+  static std::int64_t next_step_id() {
+    static std::atomic<std::int64_t> next{1};
+    return next.fetch_add(1);
+  }
 };
+
+// The live steps by id, for attend_step. A method of a torchbind object is called through
+// TorchScript's method dispatch, and an operator with a torchbind argument through Python: both
+// cost more per call than an operator of plain arguments, most when the core's caches are cold,
+// as a layer's call finds them (an nvfp4 decode call at 16 tokens: 64 us cold, 18 warm through
+// step.attend; 55 and 13 through attend_step; docs/python.md). So the plugin passes the step's
+// id. The registry holds weak references: a call holds the step for its duration, and an
+// id whose step is gone is an error, not a dangling pointer.
+class StepRegistry {
+ public:
+  static StepRegistry& instance() {
+    static StepRegistry registry;
+    return registry;
+  }
+  void add(const c10::intrusive_ptr<Step>& step) {
+    std::lock_guard lock(mutex_);
+    steps_.emplace(step->id(), c10::weak_intrusive_ptr<Step>(step));
+  }
+  void remove(std::int64_t id) {
+    std::lock_guard lock(mutex_);
+    steps_.erase(id);
+  }
+  c10::intrusive_ptr<Step> find(std::int64_t id) {
+    std::lock_guard lock(mutex_);
+    const auto it = steps_.find(id);
+    c10::intrusive_ptr<Step> step =
+        it == steps_.end() ? c10::intrusive_ptr<Step>() : it->second.lock();
+    if (!step) {
+      raise_value_error(
+          "step: no live step has id " + std::to_string(id) +
+          " (a Step from plan_step must outlive the attend_step calls given its id())");
+    }
+    return step;
+  }
+
+ private:
+  std::mutex mutex_;
+  std::unordered_map<std::int64_t, c10::weak_intrusive_ptr<Step>> steps_;
+};
+
+Step::~Step() {
+  if (workspace_) HostWorkspaces::give_back(std::move(workspace_), workspace_capacity_);
+}
+
+// The last strong reference is gone while the registry's weak one remains (c10 calls this then,
+// and deletes the step when the weak ones are gone too): leave the registry, which frees it.
+void Step::release_resources() { StepRegistry::instance().remove(id_); }
 
 c10::intrusive_ptr<Step> plan_step(const at::Tensor& seq_lens, const at::Tensor& block_table,
                                    const OptionalTensor& query_start, std::int64_t q_len,
@@ -623,15 +679,26 @@ c10::intrusive_ptr<Step> plan_step(const at::Tensor& seq_lens, const at::Tensor&
                                    const std::string& q_mode, const std::string& p_mode,
                                    std::int64_t max_splits, std::int64_t threads,
                                    const std::string& backend) {
-  return c10::make_intrusive<Step>(seq_lens, block_table, query_start, q_len, num_q_heads,
-                                   num_kv_heads, causal, q_mode, p_mode, max_splits, threads,
-                                   backend);
+  auto step =
+      c10::make_intrusive<Step>(seq_lens, block_table, query_start, q_len, num_q_heads,
+                                num_kv_heads, causal, q_mode, p_mode, max_splits, threads, backend);
+  StepRegistry::instance().add(step);
+  return step;
 }
 
 void attend(const c10::intrusive_ptr<Step>& step, at::Tensor output, const at::Tensor& q,
             const at::Tensor& kv_cache, const at::Tensor& k_scale, const at::Tensor& v_scale,
             const std::string& kv_format, const std::string& layout, double softmax_scale) {
   step->run(output, q, kv_cache, k_scale, v_scale, kv_format, layout, softmax_scale);
+}
+
+// attend for the step with this id (Step::id()): the same work, dispatched as an operator of
+// plain arguments (see StepRegistry).
+void attend_step(std::int64_t step, at::Tensor output, const at::Tensor& q,
+                 const at::Tensor& kv_cache, const at::Tensor& k_scale, const at::Tensor& v_scale,
+                 const std::string& kv_format, const std::string& layout, double softmax_scale) {
+  StepRegistry::instance().find(step)->run(output, q, kv_cache, k_scale, v_scale, kv_format, layout,
+                                           softmax_scale);
 }
 
 // --- Meta kernels: shapes only, for torch.compile and FakeTensor -------------------------------
@@ -681,6 +748,16 @@ void decode_into_meta(at::Tensor output, const at::Tensor& q, const at::Tensor& 
                 {query_start ? &*query_start : &none, "query_start"}});
 }
 
+void attend_step_meta(std::int64_t, at::Tensor output, const at::Tensor& q,
+                      const at::Tensor& kv_cache, const at::Tensor& k_scale,
+                      const at::Tensor& v_scale, const std::string&, const std::string&, double) {
+  require_meta({{&output, "output"},
+                {&q, "q"},
+                {&kv_cache, "kv_cache"},
+                {&k_scale, "k_scale"},
+                {&v_scale, "v_scale"}});
+}
+
 void write_kv_meta(const at::Tensor& key, const at::Tensor& value, at::Tensor kv_cache,
                    const at::Tensor& slot_mapping, const at::Tensor& k_scale,
                    const at::Tensor& v_scale, const std::string&, const std::string&) {
@@ -703,7 +780,8 @@ TORCH_LIBRARY(mjolnir, m) {
       .def("num_query_tiles", &Step::num_query_tiles)
       .def("modes_for", &Step::modes_for)
       .def("workers", &Step::workers)
-      .def("query_rows", &Step::query_rows);
+      .def("query_rows", &Step::query_rows)
+      .def("id", &Step::id);
   m.def(
       "write_kv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping, "
       "Tensor k_scale, Tensor v_scale, str kv_format, str layout=\"2BNHD\") -> ()");
@@ -725,6 +803,9 @@ TORCH_LIBRARY(mjolnir, m) {
       "attend(__torch__.torch.classes.mjolnir.Step step, Tensor(a!) output, Tensor q, "
       "Tensor kv_cache, Tensor k_scale, Tensor v_scale, str kv_format, "
       "str layout=\"2BNHD\", float softmax_scale=0.0) -> ()");
+  m.def(
+      "attend_step(int step, Tensor(a!) output, Tensor q, Tensor kv_cache, Tensor k_scale, "
+      "Tensor v_scale, str kv_format, str layout=\"2BNHD\", float softmax_scale=0.0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(mjolnir, CPU, m) {
@@ -733,6 +814,7 @@ TORCH_LIBRARY_IMPL(mjolnir, CPU, m) {
   m.impl("decode", &decode);
   m.impl("decode_into", &decode_into);
   m.impl("attend", &attend);
+  m.impl("attend_step", &attend_step);
 }
 
 #if MJOLNIR_PY_CUDA
@@ -742,6 +824,7 @@ TORCH_LIBRARY_IMPL(mjolnir, CUDA, m) {
   m.impl("decode", &decode);
   m.impl("decode_into", &decode_into);
   m.impl("attend", &attend);
+  m.impl("attend_step", &attend_step);
 }
 #endif
 
@@ -750,4 +833,5 @@ TORCH_LIBRARY_IMPL(mjolnir, Meta, m) {
   m.impl("write_kv", &write_kv_meta);
   m.impl("decode", &decode_meta);
   m.impl("decode_into", &decode_into_meta);
+  m.impl("attend_step", &attend_step_meta);
 }
