@@ -43,6 +43,7 @@ from .vllm_layers import block_size_reason, feature_reason
 logger = logging.getLogger("vllm.mjolnir")
 
 LAYOUT = "BHN2D"
+_attend_step = torch.ops.mjolnir.attend_step
 # vLLM cache dtype names -> mjolnir formats; "auto" holds the model's dtype.
 _KV_DTYPE_FORMAT = {"fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
 _MODEL_FORMAT = {torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -141,6 +142,17 @@ class MjolnirGpuMetadataBuilder(_Builder):
             heads = (config.get_num_attention_heads(parallel), config.get_num_kv_heads(parallel))
             self.__dict__["_mjolnir_heads_cache"] = heads
         return heads
+
+
+def _step_handle(meta, step) -> tuple[int, int]:
+    """The step's query rows and id, asked once per step and kept on its metadata: each is a
+    method call of the torchbind Step, which costs more than the layer's whole host-side call
+    of attend_step (docs/python.md)."""
+    handle = meta.__dict__.get("mjolnir_handle")
+    if handle is None or handle[0] is not step:
+        handle = (step, step.query_rows(), step.id())
+        meta.__dict__["mjolnir_handle"] = handle
+    return handle[1], handle[2]
 
 
 def plan_decode_step(common, heads: tuple[int, int], config: AttnConfig,
@@ -247,11 +259,12 @@ class MjolnirGpuAttentionImpl(_Impl):
                                    output_scale, output_block_scale)
         # The cache write stays the base backend's (its own step when
         # forward_includes_kv_cache_update is False, vLLM calls do_kv_cache_update first).
-        rows = step.query_rows()
+        rows, step_id = _step_handle(attn_metadata, step)
         k_scale, v_scale = self._scales(layer, state["format"], kv_cache.device)
         try:
-            step.attend(output[:rows].view(rows, self.num_heads, self.head_size), query[:rows],
-                        state["view"], k_scale, v_scale, state["format"], LAYOUT, self.scale)
+            _attend_step(step_id, output[:rows].view(rows, self.num_heads, self.head_size),
+                         query[:rows], state["view"], k_scale, v_scale, state["format"], LAYOUT,
+                         self.scale)
         except ValueError as e:
             # Raised before any kernel runs (the arguments' checks, a shape the CUDA decode does
             # not take): the layer goes back to the base backend for good, this step included,
