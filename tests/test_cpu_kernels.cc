@@ -1018,10 +1018,12 @@ TEST(CpuWorkUnits, CoverEveryItemOnce) {
   }
 }
 
-// One sequence on two threads, P in fp32: a short chunk goes to two groups of heads (no merges),
-// a long one to two token parts of whole tiles that merge back into every head.
+// One sequence on two threads, P in fp32: a chunk shorter than a tile stays one unit, a short
+// one goes to two groups of heads (no merges), a long one to two token parts of whole tiles that
+// merge back into every head.
 TEST(CpuWorkUnits, ShortChunksGoToHeadGroupsLongOnesToTokenParts) {
-  for (const int len : {1, 128, cpu::kHeadGroupMaxTokens, cpu::kHeadGroupMaxTokens + 1, 8192}) {
+  for (const int len :
+       {1, 63, 64, 128, cpu::kHeadGroupMaxTokens, cpu::kHeadGroupMaxTokens + 1, 8192}) {
     mjolnir::PlanOptions options;
     options.workers = 2;
     options.max_splits = 1;
@@ -1030,6 +1032,13 @@ TEST(CpuWorkUnits, ShortChunksGoToHeadGroupsLongOnesToTokenParts) {
     mjolnir::make_plan(plan, lens, 1, 8, options);
     cpu::UnitSchedule schedule;
     cpu::make_units(plan, 2, /*may_cut_tokens=*/true, schedule);
+    ASSERT_EQ(plan.tile_tokens, 64);
+    if (len < plan.tile_tokens) {
+      ASSERT_EQ(schedule.units.size(), 1u) << len << " tokens";
+      EXPECT_EQ(schedule.units[0].heads, 8);
+      EXPECT_TRUE(schedule.merges.empty());
+      continue;
+    }
     ASSERT_EQ(schedule.units.size(), 2u) << len << " tokens";
     if (len <= cpu::kHeadGroupMaxTokens) {
       EXPECT_TRUE(schedule.merges.empty()) << len << " tokens";

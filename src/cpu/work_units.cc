@@ -43,9 +43,11 @@ void make_units(const Plan& plan, int threads, bool may_cut_tokens, UnitSchedule
     max_tokens = std::max(max_tokens, u.kv_end - u.kv_begin);
   }
   // Short chunks go to groups of heads even where their tokens may be cut (see
-  // kHeadGroupMaxTokens), when the heads are enough to give every thread work.
-  const bool short_chunks_in_head_groups =
-      max_tokens <= kHeadGroupMaxTokens && chunks * max_heads >= threads;
+  // kHeadGroupMaxTokens), when the heads are enough to give every thread work; chunks shorter
+  // than a tile stay whole, as a tile cannot be cut into token parts either.
+  const bool short_chunks_in_head_groups = max_tokens >= plan.tile_tokens &&
+                                           max_tokens <= kHeadGroupMaxTokens &&
+                                           chunks * max_heads >= threads;
   if (chunks < threads && may_cut_tokens && !short_chunks_in_head_groups) {
     // Fewer chunks than threads (batch 1, short batches): cut each chunk's tokens into whole
     // tiles, ceil(threads / chunks) parts, so every thread streams whole pages of its own.

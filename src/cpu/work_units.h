@@ -64,9 +64,11 @@ struct CpuPlan final : BackendPlan::Prepared {
 // Most token parts one chunk is cut into.
 inline constexpr int kMaxParts = 64;
 
-// Chunks of at most this many tokens are cut into groups of heads, not token parts, even where P
-// is fp32, when the heads give every thread work. At short contexts a token part's fixed costs
-// weigh: every part prepares the queries of all the chunk's heads, keeps all their state, and
+// Chunks of one tile (Plan::tile_tokens) to this many tokens are cut into groups of heads, not
+// token parts, even where P is fp32, when the heads give every thread work; a chunk shorter than
+// a tile stays one unit (a 16-token call after a matmul took 1.06-1.13x as long on two threads
+// as on one: waking the second costs more than its share). At short contexts a token part's fixed
+// costs weigh: every part prepares the queries of all the chunk's heads, keeps all their state, and
 // its results go through a merge. On torch's threads (the vLLM plugin; Emerald Rapids, 2
 // threads, Hq 32, Hk 8, D 128, BHN2D, 9 interleaved rounds) head groups took 0.73x the time of
 // token parts at 128 tokens, 0.78-0.87x at 256, 0.85-0.93x at 512, 0.87-0.97x at 1024 (bf16 and

@@ -629,9 +629,9 @@ class Step final : public torch::CustomClassHolder {
 // The live steps by id, for attend_step. A method of a torchbind object is called through
 // TorchScript's method dispatch, and an operator with a torchbind argument through Python: both
 // cost more per call than an operator of plain arguments, most when the core's caches are cold,
-// as a layer's call finds them (an nvfp4 decode call at 16 tokens: 64 us cold, 18 warm through
-// step.attend; 55 and 13 through attend_step; docs/python.md). So the plugin passes the step's
-// id. The registry holds weak references: a call holds the step for its duration, and an
+// as a layer's call finds them (an nvfp4 decode call at 256 tokens: 112 us cold, 60 warm
+// through step.attend; 96 and 54 through attend_step; docs/python.md). So the plugin passes the
+// step's id. The registry holds weak references: a call holds the step for its duration, and an
 // id whose step is gone is an error, not a dangling pointer.
 class StepRegistry {
  public:
