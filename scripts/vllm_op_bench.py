@@ -71,6 +71,32 @@ def decode_step(batch: int, context: int, block: int):
     return batch * blocks_per_seq + 2, table, seq_lens, starts
 
 
+def vllm_cache(num_blocks: int, hk: int, block: int, d: int):
+    """vLLM's CPU cache of random bf16 values, as its backend allocates it ([num_blocks, Hk,
+    block, 2 D]): (the pool, its K half, its V half)."""
+    pool = torch.randn(num_blocks, hk, block, 2 * d).to(torch.bfloat16)
+    kc, vc = pool.view(num_blocks, hk, 2 * block, d).chunk(2, dim=2)
+    return pool, kc, vc
+
+
+def mjolnir_cache(fmt: str, num_blocks: int, block: int, kv: torch.Tensor):
+    """The same allocation as the plugin lays it out for a cache of `fmt` (BHN2D, rows of the
+    format's bytes), every slot written from kv [num_blocks * block, Hk, D] as both K and V with
+    per-tensor scales 1: (the pool, its BHN2D view)."""
+    from mjolnir import _ext
+    hk, d = kv.shape[1], kv.shape[2]
+    if fmt in ("bf16", "fp16"):
+        pool = torch.empty(num_blocks, hk, block, 2 * d,
+                           dtype=torch.bfloat16 if fmt == "bf16" else torch.float16)
+    else:
+        pool = torch.empty(num_blocks, hk, block, 2 * _ext.row_bytes(fmt, d), dtype=torch.uint8)
+    view = pool.view(num_blocks, hk, 2, block, pool.shape[-1] // 2).permute(0, 1, 3, 2, 4)
+    one = torch.ones(1)
+    torch.ops.mjolnir.write_kv(kv, kv, view, torch.arange(num_blocks * block, dtype=torch.int64),
+                               one, one, fmt, "BHN2D")
+    return pool, view
+
+
 def vllm_attention(q, kc, vc, out, starts, seq_lens, table, isa: str):
     """vLLM's CPU attention op over its bf16 cache (kc, vc), as its backend calls it per layer
     (causal, no window, scales 1), with the step's scheduler metadata made once: a callable."""
@@ -117,8 +143,7 @@ def prefill(lengths, rounds: int) -> list:
         starts = torch.tensor([0, n], dtype=torch.int32)
         q = torch.randn(n, hq, d, dtype=torch.bfloat16)
         out = torch.empty(n, hq, d, dtype=torch.bfloat16)
-        theirs = torch.randn(blocks + 1, hk, block, 2 * d).to(torch.bfloat16)
-        kc, vc = theirs.view(blocks + 1, hk, 2 * block, d).chunk(2, dim=2)
+        _, kc, vc = vllm_cache(blocks + 1, hk, block, d)
         ours = torch.randn(blocks + 1, hk, block, 2 * d).to(torch.bfloat16)
         view = ours.view(blocks + 1, hk, 2, block, d).permute(0, 1, 3, 2, 4)
         one = torch.ones(1)
@@ -170,7 +195,6 @@ def decode_formats(formats, cases, rounds: int) -> list:
     write_kv from the same Gaussian K / V, per-tensor scales 1), in the plugin's "auto" modes.
     Each call follows a matmul of a layer's size, as in a model's step; interleaved rounds of 20
     calls, the median call of each round, then the median over rounds (microseconds)."""
-    from mjolnir import _ext
     hq, hk, d, block = 32, 8, 128, 32
     isa = vllm_isa()
     one = torch.ones(1)
@@ -179,25 +203,15 @@ def decode_formats(formats, cases, rounds: int) -> list:
         num_blocks, table, seq_lens, starts = decode_step(batch, context, block)
         q = torch.randn(batch, hq, d, dtype=torch.bfloat16)
         out = torch.empty(batch, hq, d, dtype=torch.bfloat16)
-        theirs = torch.randn(num_blocks, hk, block, 2 * d).to(torch.bfloat16)
-        kc, vc = theirs.view(num_blocks, hk, 2 * block, d).chunk(2, dim=2)
+        _, kc, vc = vllm_cache(num_blocks, hk, block, d)
         fns = {f"vllm_{isa}_bf16": vllm_attention(q, kc, vc, out, starts, seq_lens, table, isa)}
         step = torch.ops.mjolnir.plan_step(seq_lens, table, starts, 0, hq, hk, q_mode="auto",
                                            p_mode="auto")  # the plugin's defaults
         step_attend = attend_of(step)
         caches = []  # keeps each format's pool alive
-        tokens = num_blocks * block
-        kv = torch.randn(tokens, hk, d, dtype=torch.bfloat16)
+        kv = torch.randn(num_blocks * block, hk, d, dtype=torch.bfloat16)
         for fmt in formats:
-            if fmt in ("bf16", "fp16"):
-                pool = torch.empty(num_blocks, hk, block, 2 * d,
-                                   dtype=torch.bfloat16 if fmt == "bf16" else torch.float16)
-            else:
-                pool = torch.empty(num_blocks, hk, block, 2 * _ext.row_bytes(fmt, d),
-                                   dtype=torch.uint8)
-            view = pool.view(num_blocks, hk, 2, block, pool.shape[-1] // 2).permute(0, 1, 3, 2, 4)
-            torch.ops.mjolnir.write_kv(kv, kv, view, torch.arange(tokens, dtype=torch.int64),
-                                       one, one, fmt, "BHN2D")
+            pool, view = mjolnir_cache(fmt, num_blocks, block, kv)
             caches.append(pool)
             fns[f"mjolnir_{fmt}"] = (lambda view=view, fmt=fmt: step_attend(
                 out, q, view, one, one, fmt, "BHN2D", d ** -0.5))
@@ -227,7 +241,6 @@ def cold_calls(contexts, rounds: int) -> list:
     call's cache, query and output cold). Interleaved rounds of 30 calls, the median call of each
     round, then the median over rounds (microseconds)."""
     import os
-    from mjolnir import _ext
     hq, hk, d, block = 32, 8, 128, 32
     isa = vllm_isa()
     one = torch.ones(1)
@@ -248,18 +261,12 @@ def cold_calls(contexts, rounds: int) -> list:
             q = torch.randn(1, hq, d, dtype=torch.bfloat16)
             out = torch.empty(1, hq, d, dtype=torch.bfloat16)
             if name == "vllm":
-                theirs = torch.randn(num_blocks, hk, block, 2 * d).to(torch.bfloat16)
-                kc, vc = theirs.view(num_blocks, hk, 2 * block, d).chunk(2, dim=2)
+                theirs, kc, vc = vllm_cache(num_blocks, hk, block, d)
                 keep.append((q, out, theirs))
                 return vllm_attention(q, kc, vc, out, starts, seq_lens, table, isa)
-            kv = torch.randn(num_blocks * block, hk, d, dtype=torch.bfloat16)
             fmt = name.removesuffix("_method")
-            width = 2 * d if fmt == "bf16" else 2 * _ext.row_bytes(fmt, d)
-            pool = torch.empty(num_blocks, hk, block, width,
-                               dtype=torch.bfloat16 if fmt == "bf16" else torch.uint8)
-            view = pool.view(num_blocks, hk, 2, block, width // 2).permute(0, 1, 3, 2, 4)
-            torch.ops.mjolnir.write_kv(kv, kv, view, torch.arange(num_blocks * block), one, one,
-                                       fmt, "BHN2D")
+            kv = torch.randn(num_blocks * block, hk, d, dtype=torch.bfloat16)
+            pool, view = mjolnir_cache(fmt, num_blocks, block, kv)
             keep.append((q, out, pool))
             attend = step.attend if name.endswith("_method") else step_attend
             return lambda: attend(out, q, view, one, one, fmt, "BHN2D", d ** -0.5)
@@ -353,8 +360,7 @@ def main() -> None:
         one = torch.ones(1)
 
         # vLLM's: its cache layout, its scheduler metadata made once.
-        theirs = torch.randn(num_blocks, hk, block, 2 * d).to(torch.bfloat16)
-        kc, vc = theirs.view(num_blocks, hk, 2 * block, d).chunk(2, dim=2)
+        _, kc, vc = vllm_cache(num_blocks, hk, block, d)
         isa = vllm_isa()  # what vLLM picks here (AMX on CPUs with AMX tiles)
         vllm_attention_op = vllm_attention(q, kc, vc, out.view(batch, hq, d), starts, seq_lens,
                                            table, isa)

@@ -21,9 +21,9 @@ A serving loop plans once per step and runs that plan for every layer:
 
 `attend` takes the Step object, so PyTorch dispatches it through Python; `step.attend(...)`
 (the object's own method) and `torch.ops.mjolnir.attend_step(step.id(), ...)` do the same work
-for less per call, the second least: an operator of plain arguments, about 15 us less than the
+for less per call, the second least: an operator of plain arguments, up to 16 us less than the
 method when the core's caches are cold, which is what a layer's call finds after the layer's
-matmuls (docs/vllm.md). The id is valid while the Step object lives; a call with the id of a
+matmuls (docs/python.md). The id is valid while the Step object lives; a call with the id of a
 step that is gone raises ValueError.
 
 On the CPU both run on torch's intra-op threads (threads=0), so mjolnir shares the cores with

@@ -426,11 +426,9 @@ class MjolnirCPUAttentionImpl(CPUAttentionBackendImpl):
             self.torch_attention(layer, query, kv_cache, attn_metadata, output)
             return output
         step_id = getattr(attn_metadata, "mjolnir_step_id", None)
-        if step_id is None:
-            step = getattr(attn_metadata, "mjolnir_step", None)
-            if step is None:  # metadata vLLM's builder made: plan it once, for every layer
-                step = plan_step(attn_metadata, self.num_heads, self.num_kv_heads, self._config())
-                attn_metadata.__dict__["mjolnir_step"] = step  # keeps the step and its id alive
+        if step_id is None:  # metadata vLLM's builder made: plan it once, for every layer
+            step = plan_step(attn_metadata, self.num_heads, self.num_kv_heads, self._config())
+            attn_metadata.__dict__["mjolnir_step"] = step  # keeps the step, so its id, alive
             step_id = attn_metadata.__dict__["mjolnir_step_id"] = step.id()
         k_scale, v_scale = self.scales(layer)
         # The padded tensors as they are: the operator runs the step's rows and leaves the rest

@@ -3,6 +3,7 @@ _reference.py, over every format, layout, q_len 1 and 4, and every scale granula
 
 from __future__ import annotations
 
+import gc
 import math
 
 import pytest
@@ -323,7 +324,6 @@ def test_attend_step_needs_a_live_step(gen):
                                     p.v_scale, "fp8_e4m3", 1, "BHN2D")
     assert torch.equal(out, want)
     del steps
-    import gc
     gc.collect()
     for gone in ids + [-1]:
         with pytest.raises(ValueError, match=rf"^step: no live step has id {gone} "):
