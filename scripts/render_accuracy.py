@@ -23,7 +23,7 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BLOCK = re.compile(r"(<!-- accuracy:begin (\S+) -->\n)(.*?)(<!-- accuracy:end -->)", re.S)
 GRANULARITIES = ["tensor", "head", "channel"]
-MODES = [(q, p) for p in ("fp32", "bf16", "fp8") for q in ("fp32", "bf16", "fp8", "int8")]
+MODES = [(q, p) for p in ("fp32", "bf16", "fp8", "fp16") for q in ("fp32", "bf16", "fp8", "int8")]
 DATA = {"outlier_k": "K with outlier channels (x8 on one channel in 23)",
         "gaussian": "plain N(0, 1) K"}
 # Against each of llama.cpp's block formats, mjolnir's formats of about its size.

@@ -832,6 +832,33 @@ TEST(CpuInt8Dot, AutoModesPickInt8WhereItRuns) {
   }
 }
 
+// P in fp16 where P . V runs on fp16 FMAs, in steps of up to half_auto_max_rows rows (nvfp4 8,
+// fp4_e2m1 4) that the AMX tiles do not take; fp32 everywhere else (but P in bf16 on the tiles).
+TEST(CpuHalfValues, AutoModesPickFp16WhereItRunsAndPays) {
+  const auto backend = make_backend("cpu", BackendOptions{.threads = 1});
+  const bool tiles = cpu::cpu_has_amx() && cpu::cpu_has_bf16_dot();
+  for (const Format format : kAllFormats) {
+    for (const int d : {64, 128, 256}) {
+      for (const int rows : {1, 4, 8, 16, 32, 128}) {
+        const mjolnir::CacheGeometry geometry{format, 4, 16, 8, d};
+        const mjolnir::NumericsModes modes = backend->auto_modes(geometry, rows, true);
+        if (tiles && rows >= 8 && format != Format::fp16 && d % 64 == 0) continue;  // P bf16
+        const int max_rows = format == Format::nvfp4 ? 8 : format == Format::fp4_e2m1 ? 4 : 0;
+        const bool half = rows <= max_rows && cpu::half_values_apply(format, d);
+        EXPECT_EQ(modes.p_mode, half ? PMode::fp16 : PMode::fp32)
+            << to_string(format) << " D " << d << " rows " << rows;
+      }
+    }
+  }
+#if defined(__x86_64__)
+  // The CPUs with AVX512-FP16 run it for nvfp4 at D 128 on the AVX3_DL target.
+  if (cpu::kernel_target() == "AVX3_DL" && __builtin_cpu_supports("avx512fp16")) {
+    EXPECT_TRUE(cpu::half_values_apply(Format::nvfp4, 128));
+    EXPECT_FALSE(cpu::half_values_apply(Format::nvfp4, 64));
+  }
+#endif
+}
+
 // Q . K on AMX tiles (where the dot products apply, from 8 query rows) against the emulator, over
 // query rows that fill part of a column group, all of it and more than one (up to 32), D of 1 to
 // 4 pairs of 32-channel steps, tiles of 16 to 64 keys (one or two 16-key blocks per pass), pages
@@ -949,6 +976,78 @@ TEST(CpuBf16Dot, ValuesMatchEmulator) {
 }
 
 // Every item's token range is covered exactly once by the units, and token parts merge back.
+// P mode fp16 (docs/numerics.md): where the CPU has AVX512-FP16, fp4_e2m1 and nvfp4 with D a
+// multiple of 128 run P . V on fp16 FMAs (cpu/half_values-inl.h) and sum each group of 32 keys in
+// fp16 as the emulator does, so they match it up to P codes that round the other way (rare: the
+// median case within 1e-4, where summing the same fp16 P in fp32, as the other formats and head
+// sizes do, differs by 5e-4 to 1e-3). Every case within P fp16's tolerance of the emulator and its
+// bound against the exact reference; Q in int8, bf16 and fp32; decode shapes of 1 to 32 rows
+// (leftover rows past the 4-row blocks) and ragged steps (prefill and decodes in one batch).
+TEST(CpuHalfValues, MatchEmulator) {
+  if (!cpu::half_values_apply(Format::fp4_e2m1, 128)) {
+    GTEST_SKIP() << "the dispatched target (" << cpu::kernel_target()
+                 << ") or this CPU has no AVX512-FP16 (P mode fp16 then sums on fp32 FMAs, "
+                    "which the case matrix checks)";
+  }
+  const auto backend =
+      make_backend("cpu", BackendOptions{.threads = 2, .cpu_kernels = {.amx = false}});
+  std::vector<double> path_errors;
+  const auto check = [&](const verify::Case& c) {
+    const bool on_path = cpu::half_values_apply(c.spec.format, c.spec.head_dim);
+    const std::uint64_t before = cpu::kernel_path_counts(*backend).half_values;
+    const verify::CaseResult r = verify::run_case(c, *backend);
+    EXPECT_EQ(r.status, verify::CaseResult::Status::passed) << c.name() << ": " << r.message;
+    if (on_path) {
+      EXPECT_GT(cpu::kernel_path_counts(*backend).half_values, before)
+          << c.name() << " did not run on fp16 FMAs";
+      path_errors.push_back(r.error_vs_emulator);
+    } else {
+      EXPECT_EQ(cpu::kernel_path_counts(*backend).half_values, before)
+          << c.name() << " ran on fp16 FMAs";
+    }
+  };
+  std::mt19937_64 rng(mjolnir::testing::test_seed() + 47);
+  const int shapes[][2] = {{1, 1}, {4, 1}, {3, 2}, {8, 1}, {4, 4}, {5, 3}, {8, 4}};
+  int index = 0;
+  for (const Format format :
+       {Format::fp4_e2m1, Format::nvfp4, Format::fp6_e2m3, Format::fp8_e4m3}) {
+    for (const int d : {64, 128, 256}) {
+      for (const auto [g, q_len] : shapes) {
+        verify::Case c = QkCase(format, d, g, q_len, index, rng());
+        const QMode modes[] = {QMode::int8, QMode::bf16, QMode::fp32};
+        c.spec.params.q_mode = modes[index % 3];
+        c.spec.params.p_mode = PMode::fp16;
+        ++index;
+        // fp6 and fp8 sum on the FMAs: controls, at D 128 only.
+        if ((format == Format::fp6_e2m3 || format == Format::fp8_e4m3) && d != 128) continue;
+        check(c);
+      }
+    }
+  }
+  for (const Format format : {Format::fp4_e2m1, Format::nvfp4}) {
+    verify::Case c;
+    verify::ProblemSpec& s = c.spec;
+    s.format = format;
+    s.layout = kAllLayouts[rng() % 6];
+    s.page_size = 16;
+    s.head_dim = 128;
+    s.group = 4;
+    s.num_kv_heads = 2;
+    s.params.q_len = 0;
+    s.params.p_mode = PMode::fp16;
+    s.params.q_mode = QMode::int8;
+    s.seed = rng();
+    s.seq_lens = {200, 77, 9, 130};
+    s.query_lens = {200, 13, 1, 31};  // a prompt, a chunk, a decode, a chunk
+    c.tile_tokens = 64;
+    check(c);
+  }
+  ASSERT_FALSE(path_errors.empty());
+  std::nth_element(path_errors.begin(), path_errors.begin() + path_errors.size() / 2,
+                   path_errors.end());
+  EXPECT_LT(path_errors[path_errors.size() / 2], 1e-4) << "median error against the emulator";
+}
+
 TEST(CpuWorkUnits, CoverEveryItemOnce) {
   std::mt19937_64 rng(mjolnir::testing::test_seed() + 17);
   for (int trial = 0; trial < 300; ++trial) {

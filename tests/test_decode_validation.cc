@@ -164,7 +164,7 @@ TEST(DecodeValidation, QueryAndOutputTensors) {
 // bindings parse names; a cast skips that).
 TEST(DecodeValidation, ModesOutOfRange) {
   expect_rejected([](DecodeArgs& a) { a.params.q_mode = static_cast<QMode>(7); }, "q_mode");
-  expect_rejected([](DecodeArgs& a) { a.params.p_mode = static_cast<PMode>(3); }, "p_mode");
+  expect_rejected([](DecodeArgs& a) { a.params.p_mode = static_cast<PMode>(4); }, "p_mode");
   expect_rejected([](DecodeArgs& a) { a.cache.granularity = static_cast<ScaleGranularity>(9); },
                   "granularity");
   expect_rejected([](DecodeArgs& a) { a.cache.geometry.format = static_cast<Format>(200); },

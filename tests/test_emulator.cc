@@ -1,13 +1,16 @@
 // Hand-worked values for the numerics contract, run on the emulator and the CPU backend alike:
-// single token, causal and non-causal masks, fp8 P rounding, fp8 Q codes, and the LSE merge.
+// single token, causal and non-causal masks, fp8 P rounding, fp16 P sums, fp8 Q codes, and the
+// LSE merge.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <numeric>
 #include <vector>
 
 #include "core/chunk_merge.h"
+#include "expect_error.h"
 #include "mjolnir/decode.h"
 #include "mjolnir/write_kv.h"
 #include "reference/emulator.h"
@@ -17,17 +20,21 @@ namespace {
 
 constexpr int kD = 32;
 
-// One page of 8 tokens, Hk = 1, D = 32, bf16 (so small integers and halves are exact), scales 1.
+// Pages of 8 tokens (as many as the tokens take), Hk = 1, D = 32, bf16 by default (so small
+// integers and halves are exact), scales 1.
 struct TinyCache {
-  CacheGeometry geometry{Format::bf16, 1, 8, 1, kD};
+  CacheGeometry geometry;
   std::vector<std::byte> pool;
   std::vector<float> ones{1.0f};
-  std::vector<std::int32_t> block_table{0};
+  std::vector<std::int32_t> block_table;
   std::vector<std::int32_t> seq_lens;
 
   explicit TinyCache(const std::vector<std::vector<float>>& k,
-                     const std::vector<std::vector<float>>& v)
-      : pool(pool_bytes(geometry)) {
+                     const std::vector<std::vector<float>>& v, Format format = Format::bf16)
+      : geometry{format, std::max(1, int(k.size() + 7) / 8), 8, 1, kD},
+        pool(pool_bytes(geometry)),
+        block_table(std::size_t(geometry.num_pages)) {
+    std::iota(block_table.begin(), block_table.end(), 0);
     std::vector<std::int64_t> slots(k.size());
     std::iota(slots.begin(), slots.end(), 0);
     std::vector<float> k_flat, v_flat;
@@ -75,7 +82,7 @@ Outputs run(const std::string& backend_name, TinyCache& cache, const std::vector
   r.o.assign(q.size(), std::numeric_limits<float>::quiet_NaN());
   r.lse.assign(q_len, std::numeric_limits<float>::quiet_NaN());
   DecodeArgs args{cache.view(),
-                  PagedBatch{cache.block_table, 1, cache.seq_lens},
+                  PagedBatch{cache.block_table, int(cache.block_table.size()), cache.seq_lens},
                   params,
                   QueryTensor{q.data(), kD, kD},
                   OutputTensor{r.o.data(), kD, kD},
@@ -129,7 +136,38 @@ TEST_P(HandWorked, Fp8ProbabilitiesRoundAsE4m3OfPTimes256) {
   EXPECT_NEAR(exact.o[1], 0.3 / 1.3, 2e-7);
 }
 
+TEST_P(HandWorked, Fp16ProbabilitiesNeedACacheTheirSumsTake) {
+  TinyCache cache({basis(0, 1.0f)}, {basis(0, 1.0f)});  // bf16: values fp16 cannot hold
+  DecodeParams params;
+  params.p_mode = PMode::fp16;
+  mjolnir::testing::expect_error([&] { run(GetParam(), cache, basis(0, 1.0f), 1, true, params); },
+                                 "p_mode: fp16");
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, HandWorked, ::testing::Values("reference", "cpu"));
+
+TEST(Emulator, Fp16ProbabilitiesSumInFp16PerGroupOf32Keys) {
+  // 33 keys with equal scores (q = 0): p = 1 each. Channel 0 of V: 448 for the first key, 0.125
+  // for the other 32 (both e4m3 values). In fp16 448 + 0.125 is a tie between 448 and 448.25
+  // (spacing 0.25 in [256, 512)) that rounds to 448, the even one, so the first group's 31 small
+  // terms vanish: 448. The second group (key 32) is 0.125 alone, added in fp32: O = 448.125 / 33.
+  // P in fp32 sums all of them: (448 + 32 * 0.125) / 33. Channel 1 (1.0 everywhere) is 1 either
+  // way.
+  std::vector<std::vector<float>> k(33, basis(0, 1.0f)), v(33, basis(0, 0.125f));
+  v[0][0] = 448.0f;
+  for (auto& row : v) row[1] = 1.0f;
+  TinyCache cache(k, v, Format::fp8_e4m3);
+  DecodeParams params;
+  params.p_mode = PMode::fp16;
+  const std::vector<float> q(kD, 0.0f);
+  const Outputs half = run("reference", cache, q, 1, true, params);
+  EXPECT_FLOAT_EQ(half.o[0], 448.125f / 33);
+  EXPECT_FLOAT_EQ(half.o[1], 1.0f);
+  params.p_mode = PMode::fp32;
+  const Outputs single = run("reference", cache, q, 1, true, params);
+  EXPECT_FLOAT_EQ(single.o[0], 452.0f / 33);
+  EXPECT_FLOAT_EQ(single.o[1], 1.0f);
+}
 
 TEST(Emulator, Fp8QueryCodesPerSequenceAndHead) {
   // amax 896 -> sq = 896 / 448 = 2; q / sq = 448, 0.5, 1.65 -> e4m3 448, 0.5, 1.625.
@@ -142,12 +180,13 @@ TEST(Emulator, Fp8QueryCodesPerSequenceAndHead) {
   DecodeParams params;
   params.num_q_heads = 1;
   params.q_mode = QMode::fp8;
-  const DecodeArgs args{cache.view(),
-                        PagedBatch{cache.block_table, 1, cache.seq_lens},
-                        params,
-                        QueryTensor{q.data(), kD, kD},
-                        OutputTensor{o.data(), kD, kD},
-                        {}};
+  const DecodeArgs args{
+      cache.view(),
+      PagedBatch{cache.block_table, int(cache.block_table.size()), cache.seq_lens},
+      params,
+      QueryTensor{q.data(), kD, kD},
+      OutputTensor{o.data(), kD, kD},
+      {}};
   const reference::PreparedQuery prepared = reference::prepare_query(args, 0, 0);
   EXPECT_EQ(prepared.values[0], 448.0f);
   EXPECT_EQ(prepared.values[1], 0.5f);

@@ -27,7 +27,7 @@ namespace {
 constexpr verify::BlockFormat kBlockFormats[] = {verify::BlockFormat::q8_0,
                                                  verify::BlockFormat::q4_0};
 constexpr QMode kQModes[] = {QMode::fp32, QMode::bf16, QMode::fp8, QMode::int8};
-constexpr PMode kPModes[] = {PMode::fp32, PMode::bf16, PMode::fp8};
+constexpr PMode kPModes[] = {PMode::fp32, PMode::bf16, PMode::fp8, PMode::fp16};
 constexpr ScaleGranularity kGranularities[] = {ScaleGranularity::tensor, ScaleGranularity::head,
                                                ScaleGranularity::channel};
 // The mode the granularities are compared in: a bf16 model's queries on the CPU (Q bf16, P fp32).
@@ -253,6 +253,7 @@ int run_accuracy(const AccuracyOptions& options) {
             for (const PMode p_mode : kPModes) {
               const bool compare = q_mode == kCompareQ && p_mode == kCompareP;
               if (!compare && !recommended) continue;
+              if (p_mode == PMode::fp16 && !half_sums_take(format)) continue;
               DecodeArgs args = problem.args();
               args.params.q_mode = q_mode;
               args.params.p_mode = p_mode;

@@ -270,7 +270,7 @@ CLI::App* add_bench_command(CLI::App& app, BenchOptions& options) {
                   "bf16, fp8, int8")
       ->capture_default_str();
   cmd->add_option("--p-mode", options.p_mode,
-                  "P numerics: auto (the backend's choice), fp32, bf16, fp8")
+                  "P numerics: auto (the backend's choice), fp32, bf16, fp8, fp16")
       ->capture_default_str();
   cmd->add_option("--threads", options.threads, "CPU threads (0: every hardware thread)")
       ->check(kNonNegative)

@@ -226,11 +226,13 @@ const int registered = [] {
   // Q in fp32 (the default) and in bf16, where CPUs with AVX512_BF16 run Q . K on dot products;
   // in int8 for the formats whose codes are small integers (in integer dot products with VNNI).
   // P in fp32, and in bf16 (a "/pbf16" suffix) with Q in bf16 or int8, where P . V runs on AMX
-  // tiles or the bf16 dot products.
-  for (const PMode p_mode : {PMode::fp32, PMode::bf16}) {
+  // tiles or the bf16 dot products; in fp16 ("/pfp16") for the formats it takes, where P . V runs
+  // on fp16 FMAs (CPUs with AVX512-FP16).
+  for (const PMode p_mode : {PMode::fp32, PMode::bf16, PMode::fp16}) {
     for (const QMode q_mode : {QMode::fp32, QMode::bf16, QMode::int8}) {
-      if (p_mode == PMode::bf16 && q_mode == QMode::fp32) continue;
+      if (p_mode != PMode::fp32 && q_mode == QMode::fp32) continue;
       for (const Format format : kAllFormats) {
+        if (p_mode == PMode::fp16 && !half_sums_take(format)) continue;
         if (q_mode == QMode::int8 && format != Format::fp4_e2m1 && format != Format::fp6_e2m3 &&
             format != Format::nvfp4) {
           continue;
@@ -246,8 +248,9 @@ const int registered = [] {
       }
     }
   }
-  for (const PMode p_mode : {PMode::fp32, PMode::bf16}) {
+  for (const PMode p_mode : {PMode::fp32, PMode::bf16, PMode::fp16}) {
     for (const Format format : kAllFormats) {
+      if (p_mode == PMode::fp16 && !half_sums_take(format)) continue;
       const std::string name =
           "Prefill/" + std::string(to_string(format)) + "/p" + std::string(to_string(p_mode));
       benchmark::RegisterBenchmark(name.c_str(), Prefill, format, QMode::bf16, p_mode)

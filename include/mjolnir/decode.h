@@ -22,8 +22,20 @@ namespace mjolnir {
 // int8 with sq = amax / 127 to the integers -127..127 (round to nearest even), which multiply the
 // fp6 / fp4 / nvfp4 codes exactly (docs/numerics.md).
 enum class QMode : std::uint8_t { fp32, bf16, fp8, int8 };
-// How P enters the PV product (step 4). fp8 is e4m3(p * 256), the 256 folded into 1 / l.
-enum class PMode : std::uint8_t { fp32, bf16, fp8 };
+// How P enters the PV product (step 4). fp8 is e4m3(p * 256), the 256 folded into 1 / l. fp16
+// rounds p to fp16 and sums the products of each group of kHalfGroupKeys keys of a tile in fp16
+// (each group's sums then added in fp32): the fp16 FMAs of CPUs with AVX512-FP16 do twice the
+// fp32 FMAs' work per instruction. It takes the formats whose values fp16 holds with room to
+// sum them (half_sums_take); docs/numerics.md.
+enum class PMode : std::uint8_t { fp32, bf16, fp8, fp16 };
+// Keys a group of P mode fp16 sums in fp16, counted from each tile's first.
+inline constexpr int kHalfGroupKeys = 32;
+// Whether P mode fp16 takes this format's values (fp8_e4m3, fp6, fp4_e2m1, nvfp4: every value,
+// nvfp4's at 2^-4, is an fp16 whose kHalfGroupKeys-fold sum stays below fp16's 65504).
+bool half_sums_take(Format format);
+// The power of two P mode fp16 multiplies a format's values by before its fp16 sums (and divides
+// each group's sum by after): 2^-4 for nvfp4, whose values reach 2688, else 1.
+float half_sum_scale(Format format);
 std::string_view to_string(QMode mode);
 std::string_view to_string(PMode mode);
 QMode parse_q_mode(std::string_view name);

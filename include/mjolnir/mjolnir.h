@@ -314,7 +314,8 @@ typedef enum mjolnir_q_mode {
 typedef enum mjolnir_p_mode {
   MJOLNIR_P_FP32 = 0,
   MJOLNIR_P_BF16 = 1,
-  MJOLNIR_P_FP8 = 2 /* e4m3(p * 256), the 256 folded into 1 / l */
+  MJOLNIR_P_FP8 = 2, /* e4m3(p * 256), the 256 folded into 1 / l */
+  MJOLNIR_P_FP16 = 3 /* fp16 p, products summed in fp16 per 32 keys (fp8_e4m3, fp6, fp4, nvfp4) */
 } mjolnir_p_mode;
 
 /* The numerics of a step (docs/design.md section 4). */

@@ -13,7 +13,7 @@ from typing import Mapping, Optional
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 _Q_MODES = ("auto", "fp32", "bf16", "fp8", "int8")
-_P_MODES = ("auto", "fp32", "bf16", "fp8")
+_P_MODES = ("auto", "fp32", "bf16", "fp8", "fp16")
 # Where MJOLNIR_ATTN_KV_CALIBRATE=1 records.
 DEFAULT_AMAX_FILE = "mjolnir-kv-amax.json"
 # The formats MJOLNIR_ATTN_KV_FORMAT takes (every mjolnir format; "" = vLLM's kv_cache_dtype).

@@ -26,7 +26,7 @@ def emulator_bound(q_mode: str, p_mode: str) -> float:
     boundary (1e-4); or, in P mode bf16, P rounded from the backend's own scores, where a p on
     a bf16 tie moves its row by up to 2^-7 w_i |v_i| (2^-8; the CPU does this, the worst seen
     over 200 seeds of the test below is 1.0e-3)."""
-    if p_mode == "bf16":
+    if p_mode in ("bf16", "fp16"):  # fp16: also the CPU's fp32 sums where it has no fp16 FMAs
         return 2.0**-8
     return 1e-4 if "fp8" in (q_mode, p_mode) else 1e-5
 
@@ -133,6 +133,24 @@ def test_numerics_modes_match_emulator(gen, q_mode, p_mode):
     emulated = p.decode(q_mode=q_mode, p_mode=p_mode, backend="reference")
     assert rel_err(out, emulated.to(torch.float64)) < emulator_bound(q_mode, p_mode)
     assert rel_err(out, p.reference()) < 0.1
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp4_e2m1", "fp6_e2m3"])
+def test_fp16_probabilities_match_emulator(gen, fmt):
+    """P mode fp16 (fp16 P, each 32 keys' products summed in fp16): within the own-scores
+    tolerance of the emulator, which sums in fp16 as the CPUs with AVX512-FP16 do (the others sum
+    the fp16 P in fp32), and near the exact result; a bf16 cache, whose values fp16 cannot hold,
+    is refused naming p_mode."""
+    p = Problem(gen, fmt, "B2NHD", 4, "head", d=128, max_len=300)
+    out = p.decode(q_mode="int8", p_mode="fp16")
+    emulated = p.decode(q_mode="int8", p_mode="fp16", backend="reference")
+    assert rel_err(out, emulated.to(torch.float64)) < emulator_bound("int8", "fp16")
+    single = p.decode(q_mode="int8", p_mode="fp32")
+    exact = p.reference()
+    assert rel_err(out, exact) < 1.25 * rel_err(single, exact) + 1e-3
+    bf16 = Problem(gen, "bf16", "B2NHD", 4, "head", d=128, max_len=40)
+    with pytest.raises(ValueError, match="^p_mode: fp16"):
+        bf16.decode(p_mode="fp16")
 
 
 def test_decode_split_kv(gen):

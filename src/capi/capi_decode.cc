@@ -68,9 +68,11 @@ PMode to_p_mode(std::int32_t value) {
       return PMode::bf16;
     case MJOLNIR_P_FP8:
       return PMode::fp8;
+    case MJOLNIR_P_FP16:
+      return PMode::fp16;
   }
   fail(MJOLNIR_ERROR_INVALID_ARGUMENT, "params->p_mode: ", value,
-       " is not a mjolnir_p_mode (0 = fp32, 1 = bf16, 2 = fp8)");
+       " is not a mjolnir_p_mode (0 = fp32, 1 = bf16, 2 = fp8, 3 = fp16)");
 }
 
 DecodeParams to_params(const mjolnir_decode_params* in) {

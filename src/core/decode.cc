@@ -34,9 +34,29 @@ std::string_view to_string(PMode mode) {
       return "bf16";
     case PMode::fp8:
       return "fp8";
+    case PMode::fp16:
+      return "fp16";
   }
   return "?";
 }
+
+bool half_sums_take(Format format) {
+  switch (format) {
+    case Format::fp8_e4m3:
+    case Format::fp6_e2m3:
+    case Format::fp6_e3m2:
+    case Format::fp4_e2m1:
+    case Format::nvfp4:
+      return true;
+    case Format::bf16:  // values fp16 cannot hold (range, or 8-bit exponent)
+    case Format::fp16:  // values up to 65504: a sum of two can overflow
+    case Format::fp8_e5m2:
+      return false;
+  }
+  return false;
+}
+
+float half_sum_scale(Format format) { return format == Format::nvfp4 ? 0.0625f : 1.0f; }
 
 QMode parse_q_mode(std::string_view name) {
   for (QMode m : {QMode::fp32, QMode::bf16, QMode::fp8, QMode::int8}) {
@@ -46,10 +66,10 @@ QMode parse_q_mode(std::string_view name) {
 }
 
 PMode parse_p_mode(std::string_view name) {
-  for (PMode m : {PMode::fp32, PMode::bf16, PMode::fp8}) {
+  for (PMode m : {PMode::fp32, PMode::bf16, PMode::fp8, PMode::fp16}) {
     if (to_string(m) == name) return m;
   }
-  detail::throw_error("p_mode: '", name, "' is not one of fp32, bf16, fp8");
+  detail::throw_error("p_mode: '", name, "' is not one of fp32, bf16, fp8, fp16");
 }
 
 float DecodeParams::effective_softmax_scale(int head_dim) const {
@@ -80,9 +100,13 @@ void validate(const DecodeArgs& args) {
   MJOLNIR_REQUIRE(static_cast<int>(p.q_mode) <= static_cast<int>(QMode::int8),
                   "params.q_mode: ", static_cast<int>(p.q_mode),
                   " is not a Q mode (fp32 0, bf16 1, fp8 2, int8 3)");
-  MJOLNIR_REQUIRE(static_cast<int>(p.p_mode) <= static_cast<int>(PMode::fp8),
+  MJOLNIR_REQUIRE(static_cast<int>(p.p_mode) <= static_cast<int>(PMode::fp16),
                   "params.p_mode: ", static_cast<int>(p.p_mode),
-                  " is not a P mode (fp32 0, bf16 1, fp8 2)");
+                  " is not a P mode (fp32 0, bf16 1, fp8 2, fp16 3)");
+  MJOLNIR_REQUIRE(p.p_mode != PMode::fp16 || half_sums_take(geo.format),
+                  "p_mode: fp16 sums values in fp16, which takes fp8_e4m3, fp6_e2m3, fp6_e3m2, "
+                  "fp4_e2m1 and nvfp4 caches, not ",
+                  to_string(geo.format), " (use fp32 or bf16)");
   MJOLNIR_REQUIRE(std::isfinite(p.softmax_scale) && p.softmax_scale >= 0,
                   "softmax_scale: ", p.softmax_scale, " must be finite and >= 0 (0 = 1/sqrt(D))");
   // q_len, and query_start for a ragged step (the geometry was checked with the cache view)

@@ -130,6 +130,8 @@ void run_attention_item(const DecodeArgs& args, const Plan& plan, const WorkItem
         float used = prob;
         if (p.p_mode == PMode::bf16) used = round_to(Format::bf16, prob);
         if (p.p_mode == PMode::fp8) used = round_to(Format::fp8_e4m3, prob * 256.0f);
+        // P mode fp16's products are summed here in fp32: within the own-scores tolerance.
+        if (p.p_mode == PMode::fp16) used = round_to(Format::fp16, prob);
         const float* v = &s.v_tile[std::size_t(i) * d];
         for (int c = 0; c < d; ++c) acc[c] += used * v[c];
       }

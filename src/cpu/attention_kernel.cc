@@ -340,6 +340,7 @@ void RunUnit(const KernelConfig& config, const DecodeArgs& args, const Plan& pla
     score_scratch.amx_keys =
         reinterpret_cast<std::uint16_t*>(score_scratch.amx_sums + kAmxSumFloats);
   }
+  if (paths.half_values) scratch.counts.half_values += std::uint64_t(heads);
   // P . V's scratch. On the dot products: the P pairs of one head's tile (A rows, unpadded).
   if (paths.dot_values) {
     value_scratch =
@@ -515,6 +516,15 @@ bool HasInt8DotFor(Format format) {
 #endif
 }
 
+bool HasHalfValuesFor(Format format) {
+#if !MJOLNIR_PORTABLE_TARGET && MJOLNIR_HALF_VALUES
+  return CpuHasHalfFma() && HasHalfDecoder(format);
+#else
+  (void)format;
+  return false;
+#endif
+}
+
 // Which rows a unit of `rows` query rows decodes once per tile, P in fp32 and no AMX tiles: what
 // ChooseUnitPaths sets, by the same rule (SetDecodedOnce).
 DecodedOnce DecodesOnce(Format format, QMode q_mode, int rows, int head_dim) {
@@ -541,6 +551,7 @@ HWY_EXPORT(TargetName);
 HWY_EXPORT(HasBf16Dot);
 HWY_EXPORT(HasInt8Dot);
 HWY_EXPORT(HasInt8DotFor);
+HWY_EXPORT(HasHalfValuesFor);
 HWY_EXPORT(DecodesOnce);
 
 float* KernelScratch::floats(int slot, std::size_t count) {
@@ -587,6 +598,10 @@ DecodedOnce decoded_once(Format format, QMode q_mode, int rows, int head_dim) {
 
 bool int8_dot_applies(Format format, int head_dim) {
   return head_dim % 128 == 0 && HWY_DYNAMIC_DISPATCH(HasInt8DotFor)(format);
+}
+
+bool half_values_apply(Format format, int head_dim) {
+  return head_dim % 128 == 0 && HWY_DYNAMIC_DISPATCH(HasHalfValuesFor)(format);
 }
 
 bool amx_scores_apply(const KernelConfig& config, Format format, int rows, int head_dim) {

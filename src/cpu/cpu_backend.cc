@@ -91,7 +91,9 @@ class CpuBackend final : public Backend {
   // for bf16); elsewhere P in fp32, which decodes 5-15% faster than bf16 P on the FMAs. Q in
   // int8 where Q . K then runs in integers (fp4_e2m1, fp6_e2m3, nvfp4 on VNNI, AVX2 and Arm's
   // sdot, below the AMX tiles' rows): 1.26-1.36x faster decode steps on VNNI, error 1.00-1.06x of
-  // fp32 Q's (docs/cpu-experiments.md, docs/accuracy.md).
+  // fp32 Q's (docs/cpu-experiments.md, docs/accuracy.md). P in fp16 where P . V then runs on fp16
+  // FMAs (AVX512-FP16: fp4_e2m1, nvfp4) in decode steps of up to half_auto_max_rows rows (4 for
+  // fp4_e2m1, 8 for nvfp4), where it took 0.84-0.94x of P fp32's time (docs/cpu-experiments.md).
   NumericsModes auto_modes(const CacheGeometry& geometry, int max_tile_rows,
                            bool bf16_queries) const override {
     NumericsModes modes;
@@ -104,13 +106,16 @@ class CpuBackend final : public Backend {
     if (max_tile_rows >= kAmxMinRows &&
         amx_values_apply(config_, geometry.format, PMode::bf16, geometry.head_dim)) {
       modes.p_mode = PMode::bf16;
+    } else if (max_tile_rows <= half_auto_max_rows(geometry.format) &&
+               half_values_apply(geometry.format, geometry.head_dim)) {
+      modes.p_mode = PMode::fp16;
     }
     return modes;
   }
-  // P mode bf16 rounds P from the kernel's own scores (attention_kernel.cc); fp8 P from the
-  // emulator's.
+  // P modes bf16 and fp16 round P from the kernel's own scores (attention_kernel.cc); fp8 P from
+  // the emulator's.
   bool rounds_p_from_own_scores(const CacheGeometry&, const DecodeParams& params) const override {
-    return params.p_mode == PMode::bf16;
+    return params.p_mode == PMode::bf16 || params.p_mode == PMode::fp16;
   }
 
   // The plan's units: cut for today's workers.

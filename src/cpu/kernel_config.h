@@ -29,11 +29,12 @@ KernelConfig resolve_kernel_config(const CpuKernelOptions& options);
 
 // Work items (one KV head's rows against a token range) by the path they took.
 struct KernelPathCounts {
-  std::uint64_t bf16_dot = 0;    // Q . K on the bf16 dot products
-  std::uint64_t amx_scores = 0;  // Q . K on AMX tiles
-  std::uint64_t amx_values = 0;  // P . V on AMX tiles
-  std::uint64_t dot_values = 0;  // P . V on the bf16 dot products
-  std::uint64_t int8_dot = 0;    // Q . K in integers
+  std::uint64_t bf16_dot = 0;     // Q . K on the bf16 dot products
+  std::uint64_t amx_scores = 0;   // Q . K on AMX tiles
+  std::uint64_t amx_values = 0;   // P . V on AMX tiles
+  std::uint64_t dot_values = 0;   // P . V on the bf16 dot products
+  std::uint64_t half_values = 0;  // P . V on fp16 FMAs
+  std::uint64_t int8_dot = 0;     // Q . K in integers
   // Q . K in integers / P . V on FMAs over K / V rows decoded once per tile (units of many
   // query rows, kernel_paths-inl.h)
   std::uint64_t decoded_keys = 0;
@@ -44,6 +45,7 @@ struct KernelPathCounts {
     amx_scores += other.amx_scores;
     amx_values += other.amx_values;
     dot_values += other.dot_values;
+    half_values += other.half_values;
     int8_dot += other.int8_dot;
     decoded_keys += other.decoded_keys;
     decoded_values += other.decoded_values;

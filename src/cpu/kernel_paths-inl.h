@@ -1,11 +1,12 @@
 // The paths of the CPU kernel (attention_kernel.cc) and the one place that chooses among them.
 // Q . K has five: fp32 FMAs in any order (fast_scores-inl.h), the emulator's exact order
 // (exact_scores-inl.h), bf16 dot products (bf16_dot-inl.h), AMX tiles (amx_scores-inl.h) and
-// integer dot products (int8_dot-inl.h); P . V three: fp32 FMAs (fma_values-inl.h), AMX tiles
-// (amx_values-inl.h) and bf16 dot products (dot_values-inl.h). A unit's paths follow from its
-// format, modes, head size and query rows and from what this CPU executes (ChooseUnitPaths); a
-// head's score path also from its queries, since Q in fp32 mode takes the bf16 dot products exactly
-// where its values are bf16 values (HeadScorePath). Per-target header, see kv_decode-inl.h.
+// integer dot products (int8_dot-inl.h); P . V four: fp32 FMAs (fma_values-inl.h), AMX tiles
+// (amx_values-inl.h), bf16 dot products (dot_values-inl.h) and fp16 FMAs (half_values-inl.h). A
+// unit's paths follow from its format, modes, head size and query rows and from what this CPU
+// executes (ChooseUnitPaths); a head's score path also from its queries, since Q in fp32 mode takes
+// the bf16 dot products exactly where its values are bf16 values (HeadScorePath). Per-target
+// header, see kv_decode-inl.h.
 
 #if defined(MJOLNIR_CPU_KERNEL_PATHS_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef MJOLNIR_CPU_KERNEL_PATHS_INL_H_
@@ -27,6 +28,7 @@
 #include "cpu/exact_scores-inl.h"
 #include "cpu/fast_scores-inl.h"
 #include "cpu/fma_values-inl.h"
+#include "cpu/half_values-inl.h"
 #include "cpu/int8_dot-inl.h"
 #include "cpu/item_context.h"
 #include "cpu/kernel_config.h"
@@ -56,11 +58,12 @@ struct UnitPaths {
   bool exact = false;  // P in fp8: scores in the emulator's order
   // Heads whose queries are bf16 values take Q . K on the dot products (dot_scores_apply) ...
   bool dot_scores = false;
-  bool amx_scores = false;  // ... and on AMX tiles
-  bool amx_values = false;  // P . V on AMX tiles (scores then in the tiles' column layout)
-  bool dot_values = false;  // P . V on the bf16 dot products, where the tiles do not take it
-  int value_rows = 0;       // amx_values: the query rows of its A and C tiles (AmxValueRows)
-  bool int8 = false;        // every head's Q . K in integers
+  bool amx_scores = false;   // ... and on AMX tiles
+  bool amx_values = false;   // P . V on AMX tiles (scores then in the tiles' column layout)
+  bool dot_values = false;   // P . V on the bf16 dot products, where the tiles do not take it
+  bool half_values = false;  // P . V on fp16 FMAs (P mode fp16, AVX512-FP16)
+  int value_rows = 0;        // amx_values: the query rows of its A and C tiles (AmxValueRows)
+  bool int8 = false;         // every head's Q . K in integers
   // K / V rows decoded once per tile (SetDecodedOnce, kDecodeOnceRows), not once per block of rows
   bool decoded_keys = false, decoded_values = false;
 };
@@ -94,8 +97,8 @@ inline bool DecodeValuesOncePays(Format format) {
 inline void SetDecodedOnce(Format format, int rows, UnitPaths& paths) {
   const bool many = rows >= kDecodeOnceRows;
   paths.decoded_keys = MJOLNIR_INT8_DECODED_KEYS && paths.int8 && many;
-  paths.decoded_values =
-      !paths.amx_values && !paths.dot_values && many && DecodeValuesOncePays(format);
+  paths.decoded_values = !paths.amx_values && !paths.dot_values && !paths.half_values && many &&
+                         DecodeValuesOncePays(format);
 }
 
 // Rows a unit decodes once per tile: row t at rows + t * stride, also listed in bases (what the
@@ -142,6 +145,10 @@ UnitPaths ChooseUnitPaths([[maybe_unused]] const KernelConfig& config, const Dec
 #if MJOLNIR_INT8_DOT
   paths.int8 = args.params.q_mode == QMode::int8 && HasIntDecoder(format) &&
                d % int(kInt8Chunk) == 0 && !paths.exact && !paths.amx_scores && CpuHasInt8Dot();
+#endif
+#if MJOLNIR_HALF_VALUES
+  paths.half_values = args.params.p_mode == PMode::fp16 && HasHalfDecoder(format) && d % 128 == 0 &&
+                      CpuHasHalfFma();
 #endif
   SetDecodedOnce(format, rows, paths);
   return paths;
@@ -357,6 +364,15 @@ void AccumulateHeadValues(const UnitPaths& paths, HeadState& hs, const TileRows&
                                 std::size_t(it.d), hs.acc, it.ld, hs.state.alpha, value_scratch,
                                 prefetcher, prefetch_rows);
     }
+#endif
+    return;
+  }
+  if (paths.half_values) {
+#if MJOLNIR_HALF_VALUES
+    VisitHalfDecoder(it.args->cache.geometry.format, [&]<class Half>() {
+      ValuesHalf<Half>(probs, stride, it.rows, tile.bases, hs.v_offset, tile.count,
+                       std::size_t(it.d), hs.acc, it.ld, hs.state.alpha, prefetcher, prefetch_rows);
+    });
 #endif
     return;
   }

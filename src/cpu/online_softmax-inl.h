@@ -81,15 +81,16 @@ HWY_INLINE void SoftmaxRow(const ItemContext& it, int r, float* HWY_RESTRICT sco
   } else {
     const auto vscale = hn::Set(df, fold.scale);
     const auto fp8_scale = hn::Set(df, 256.0f);
-    // P in bf16 is rounded from the kernel's own scores (attention_kernel.cc), so the exact exp2
-    // would buy nothing there; fp8 P follows the emulator bit for bit.
+    // P in bf16 or fp16 is rounded from the kernel's own scores (attention_kernel.cc), so the
+    // exact exp2 would buy nothing there; fp8 P follows the emulator bit for bit.
     const bool exact_exp2 = it.p_mode == PMode::fp8;
     for (std::size_t i = 0; i < padded; i += n) {
       const auto x = hn::Sub(hn::Load(df, s + i), vm);
       const auto pv = exact_exp2 ? Exp2Exact(df, x) : Exp2Fast(df, x, 0);
       sum = hn::Add(sum, pv);
-      const auto used = it.p_mode == PMode::bf16
-                            ? RoundToMinifloat<kBf16Spec>(df, pv)
+      const auto used = it.p_mode == PMode::bf16 ? RoundToMinifloat<kBf16Spec>(df, pv)
+                        : it.p_mode == PMode::fp16
+                            ? RoundToMinifloat<kFp16Spec>(df, pv)
                             : RoundToMinifloat<kE4M3Spec>(df, hn::Mul(pv, fp8_scale));
       hn::Store(hn::Mul(used, vscale), df, p + i);
     }
@@ -106,13 +107,16 @@ HWY_INLINE void SoftmaxRow(const ItemContext& it, int r, float* HWY_RESTRICT sco
   state.m[r] = m_new;
 }
 
-// Rows r .. r + 3 of SoftmaxTile with P in fp32, each seeing live[j] > 0 tokens: as SoftmaxRow,
-// with the four rows' maxima, sums, rescales and state updates done together (one
+// Rows r .. r + 3 of SoftmaxTile with P in fp32 or fp16, each seeing live[j] > 0 tokens: as
+// SoftmaxRow, with the four rows' maxima, sums, rescales and state updates done together (one
 // transpose-and-reduce for four rows instead of a reduction each, one exp2 for the four alphas),
-// so the rows' dependency chains overlap.
+// so the rows' dependency chains overlap. P in fp16 is rounded from the true p (the sums are of
+// the unrounded p, as in step 3 of docs/numerics.md) and then takes the fold.
+template <PMode kPMode>
 HWY_INLINE void SoftmaxRows4(int r, float* HWY_RESTRICT scores, float* HWY_RESTRICT probs,
                              std::size_t stride, const int* live, int count, const PFold& fold,
                              const RowState& state) {
+  static_assert(kPMode == PMode::fp32 || kPMode == PMode::fp16);
   const WideFloatTag df;
   const Float4Tag d4;
   const std::size_t n = hn::Lanes(df);
@@ -142,11 +146,18 @@ HWY_INLINE void SoftmaxRows4(int r, float* HWY_RESTRICT scores, float* HWY_RESTR
   const auto m0 = hn::Set(df, m[0]), m1 = hn::Set(df, m[1]), m2 = hn::Set(df, m[2]),
              m3 = hn::Set(df, m[3]);
   auto sum0 = hn::Zero(df), sum1 = hn::Zero(df), sum2 = hn::Zero(df), sum3 = hn::Zero(df);
+  const auto scale = hn::Set(df, fold.scale);
   const auto exp_row = [&](float* HWY_RESTRICT si, float* HWY_RESTRICT pi, auto mi, auto& sum,
                            std::size_t i) HWY_ATTR {
-    const auto pv = Exp2Fast(df, hn::Sub(hn::Load(df, si + i), mi), fold.exp);
-    sum = hn::Add(sum, pv);
-    hn::Store(pv, df, pi + i);
+    if constexpr (kPMode == PMode::fp32) {
+      const auto pv = Exp2Fast(df, hn::Sub(hn::Load(df, si + i), mi), fold.exp);
+      sum = hn::Add(sum, pv);
+      hn::Store(pv, df, pi + i);
+    } else {
+      const auto pv = Exp2Fast(df, hn::Sub(hn::Load(df, si + i), mi), 0);
+      sum = hn::Add(sum, pv);
+      hn::Store(hn::Mul(RoundToMinifloat<kFp16Spec>(df, pv), scale), df, pi + i);
+    }
   };
   for (std::size_t i = 0; i < padded; i += n) {
     exp_row(s[0], p[0], m0, sum0, i);
@@ -154,7 +165,8 @@ HWY_INLINE void SoftmaxRows4(int r, float* HWY_RESTRICT scores, float* HWY_RESTR
     exp_row(s[2], p[2], m2, sum2, i);
     exp_row(s[3], p[3], m3, sum3, i);
   }
-  const auto tile_sum = hn::Mul(Reduce4(df, sum0, sum1, sum2, sum3), hn::Set(d4, fold.inverse));
+  const auto tile_sum = hn::Mul(Reduce4(df, sum0, sum1, sum2, sum3),
+                                hn::Set(d4, kPMode == PMode::fp32 ? fold.inverse : 1.0f));
   const auto alpha = Exp2Fast(d4, hn::Sub(m_old, m_new), 0);  // 0 on a row's first tile
   hn::StoreU(alpha, d4, state.alpha + r);
   hn::StoreU(hn::MulAdd(hn::LoadU(d4, state.l + r), alpha, tile_sum), d4, state.l + r);
@@ -172,7 +184,7 @@ void SoftmaxTile(const ItemContext& it, float* HWY_RESTRICT scores, float* HWY_R
                  std::size_t stride, int first, int count, int p_exp, const RowState& state) {
   const PFold fold{p_exp, std::ldexp(1.0f, p_exp), std::ldexp(1.0f, -p_exp)};  // exact
   int r = 0;
-  if (it.p_mode == PMode::fp32) {
+  if (it.p_mode == PMode::fp32 || it.p_mode == PMode::fp16) {
     for (; r + 4 <= it.rows; r += 4) {
       int live[4];
       bool all_live = true;
@@ -181,7 +193,11 @@ void SoftmaxTile(const ItemContext& it, float* HWY_RESTRICT scores, float* HWY_R
         all_live &= live[j] > 0;
       }
       if (all_live) {
-        SoftmaxRows4(r, scores, probs, stride, live, count, fold, state);
+        if (it.p_mode == PMode::fp32) {
+          SoftmaxRows4<PMode::fp32>(r, scores, probs, stride, live, count, fold, state);
+        } else {
+          SoftmaxRows4<PMode::fp16>(r, scores, probs, stride, live, count, fold, state);
+        }
       } else {
         for (int j = 0; j < 4; ++j) {
           SoftmaxRow(it, r + j, scores, probs, stride, live[j], count, fold, state);

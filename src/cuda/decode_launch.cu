@@ -110,6 +110,10 @@ std::string unsupported_reason(const CacheGeometry& geometry, const DecodeParams
     return "format value " + std::to_string(static_cast<int>(geometry.format)) + " is unknown";
   }
   if (max_tile_tokens < 1) return "tile_tokens " + std::to_string(max_tile_tokens) + " < 1";
+  if (params.p_mode == PMode::fp16) {
+    return "P mode fp16 (fp16 sums, for CPUs with AVX512-FP16) is not implemented on CUDA; the "
+           "cpu and reference backends run it";
+  }
   if (params.q_len == 0) {
     return "ragged steps (q_len 0 with query_start: prefill, mixed query lengths) are not "
            "implemented on CUDA yet; the cpu and reference backends run them";

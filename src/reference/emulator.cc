@@ -98,8 +98,19 @@ float round_probability(float p, PMode mode) {
       return round_to(Format::bf16, p);
     case PMode::fp8:
       return round_to(Format::fp8_e4m3, p * kFp8PScale);
+    case PMode::fp16:
+      return round_to(Format::fp16, p);
   }
   return p;
+}
+
+// P mode fp16's step: the fp16 nearest (ties to even) to p * v + sum, from the exact value. p, v
+// and sum are fp16 values, so p * v is exact in double and so is the sum but where sum exceeds the
+// product by more than 2^31, where the nearest fp16 is sum either way; the conversion from double
+// rounds once (a float in between could round twice).
+float half_multiply_add(float p, float v, float sum) {
+  const double exact = double(p) * double(v) + double(sum);
+  return static_cast<float>(static_cast<_Float16>(exact));
 }
 
 float probability_scale(PMode mode) { return mode == PMode::fp8 ? kFp8PScale : 1.0f; }
@@ -120,6 +131,7 @@ void run_item(const DecodeArgs& args, const Plan& plan, const WorkItem& item,
   std::vector<char> poisoned(rows, 0);
   std::vector<float> k_tile(std::size_t(tile) * d), v_tile(std::size_t(tile) * d);
   std::vector<float> s(tile);
+  std::vector<float> half_sums(p.p_mode == PMode::fp16 ? d : 0);  // P mode fp16's group sums
   static const bool fused = host_fuses_dot_products();
 
   for (int tile_begin = item.kv_begin; tile_begin < item.kv_end; tile_begin += tile) {
@@ -159,12 +171,31 @@ void run_item(const DecodeArgs& args, const Plan& plan, const WorkItem& item,
       float* a = &acc[std::size_t(r) * d];
       float tile_sum = 0.0f;
       for (int c = 0; c < d; ++c) a[c] *= alpha;
-      for (int i = 0; i < n; ++i) {
-        if (s[i] == kNegInf) continue;
-        const float prob = std::exp2(s[i] - m_new);
-        tile_sum += prob;
-        const float p_used = round_probability(prob, p.p_mode);
-        for (int c = 0; c < d; ++c) a[c] += p_used * v_tile[i * d + c];
+      if (p.p_mode == PMode::fp16) {
+        // The tile's keys in groups of kHalfGroupKeys: each channel's products summed in fp16 in
+        // key order (at half_sum_scale times the values), each group's sum then added to acc.
+        const float in = half_sum_scale(cache.geometry.format), out = 1.0f / in;
+        for (int i0 = 0; i0 < n; i0 += kHalfGroupKeys) {
+          std::fill(half_sums.begin(), half_sums.end(), 0.0f);
+          for (int i = i0; i < std::min(n, i0 + kHalfGroupKeys); ++i) {
+            if (s[i] == kNegInf) continue;
+            const float prob = std::exp2(s[i] - m_new);
+            tile_sum += prob;
+            const float p_used = round_probability(prob, p.p_mode);
+            for (int c = 0; c < d; ++c) {
+              half_sums[c] = half_multiply_add(p_used, v_tile[i * d + c] * in, half_sums[c]);
+            }
+          }
+          for (int c = 0; c < d; ++c) a[c] += half_sums[c] * out;
+        }
+      } else {
+        for (int i = 0; i < n; ++i) {
+          if (s[i] == kNegInf) continue;
+          const float prob = std::exp2(s[i] - m_new);
+          tile_sum += prob;
+          const float p_used = round_probability(prob, p.p_mode);
+          for (int c = 0; c < d; ++c) a[c] += p_used * v_tile[i * d + c];
+        }
       }
       l[r] = l[r] * alpha + tile_sum;
       m[r] = m_new;

@@ -1,0 +1,293 @@
+// P . V on AVX512-FP16's fp16 FMAs, for P mode fp16 (docs/numerics.md): a vfmadd231ph does 32
+// multiply-adds for the cost of one fp32 FMA's 16, and at a decode step's 4 query rows P . V is
+// most of the kernel. V's codes are looked up as fp16 words (every e2m1 value, and every nvfp4
+// value times 2^-4, is an fp16), each key's 4 rows x 128 channels take 16 fp16 FMAs against 32
+// fp32 FMAs and 8 fp32 decodes, and the products of each group of kHalfGroupKeys keys of the tile
+// are summed in fp16 in key order, as the emulator sums them, then added into the fp32
+// accumulators (times 16 for nvfp4). docs/cpu-experiments.md, "P . V on AVX512-FP16 FMAs".
+// AVX3_DL target, on CPUs with AVX512-FP16 (Intel since Sapphire Rapids), fp4_e2m1 and nvfp4, D a
+// multiple of 128; elsewhere P mode fp16 sums its fp16 P on the fp32 FMAs (fma_values-inl.h).
+// Per-target header, see kv_decode-inl.h.
+
+#if defined(MJOLNIR_CPU_HALF_VALUES_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef MJOLNIR_CPU_HALF_VALUES_INL_H_
+#undef MJOLNIR_CPU_HALF_VALUES_INL_H_
+#else
+#define MJOLNIR_CPU_HALF_VALUES_INL_H_
+#endif
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "core/minifloat.h"
+#include "cpu/codec_tables.h"
+#include "cpu/tile_prefetcher.h"
+#include "hwy/highway.h"
+#include "mjolnir/decode.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace mjolnir::cpu::HWY_NAMESPACE {
+
+#undef MJOLNIR_HALF_VALUES
+#if HWY_TARGET == HWY_AVX3_DL
+#define MJOLNIR_HALF_VALUES 1
+
+// True when this CPU executes AVX512-FP16 (Highway 1.0.3's AVX3_DL does not require it).
+inline bool CpuHasHalfFma() {
+  static const bool has = __builtin_cpu_supports("avx512fp16") != 0;
+  return has;
+}
+
+// The formats with a decoder into fp16 words below.
+inline bool HasHalfDecoder(Format format) {
+  return format == Format::fp4_e2m1 || format == Format::nvfp4;
+}
+
+HWY_PUSH_ATTRIBUTES("avx512fp16")
+
+inline std::uint16_t HalfBits(float value) {  // value is an fp16 value: exact
+  const _Float16 h = static_cast<_Float16>(value);
+  std::uint16_t bits;
+  std::memcpy(&bits, &h, 2);
+  return bits;
+}
+
+// A 32-channel vector v of a row is its bytes 16 v .. 16 v + 15: lanes 0..15 the low nibbles
+// (even channels), 16..31 the high ones, the order of kv_decode-inl.h's DecodeE2M1 and
+// DecodeNvfp4 chunks, in which the fp32 accumulators are kept. The bytes are broadcast to both
+// halves, widened to words, the high half shifted down by 4, and vpermw looks the words' low 5
+// bits up (in a table that repeats its 16 entries for e2m1, so the bit above the nibble does not
+// matter): 3 ops a vector.
+
+// fp4 e2m1: the 16 values, repeated.
+struct HalfE2M1 {
+  static constexpr float kFold = 1.0f;  // 1 / half_sum_scale(fp4_e2m1)
+  struct State {
+    __m512i table, shifts;
+  };
+  struct Table {
+    alignas(64) std::uint16_t bits[32];
+    Table() {
+      for (int i = 0; i < 32; ++i) {
+        bits[i] = HalfBits(decode_minifloat<kE2M1Spec>(std::uint32_t(i % 16)));
+      }
+    }
+  };
+  static HWY_INLINE State MakeState() {
+    static const Table kTable;
+    return {_mm512_load_si512(kTable.bits),
+            _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1)};
+  }
+  static HWY_INLINE __m512h Decode(const State& s, const std::uint8_t* row, std::size_t v,
+                                   std::size_t /*d*/) {
+    const __m256i bytes = _mm256_broadcastsi128_si256(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * v)));
+    const __m512i index = _mm512_srlv_epi16(_mm512_cvtepu8_epi16(bytes), s.shifts);
+    return _mm512_castsi512_ph(_mm512_permutexvar_epi16(index, s.table));
+  }
+};
+
+// nvfp4: code c times block scale s times 2^-4 (half_sum_scale: 32 keys' sums then stay below
+// 168 x 32, far from fp16's 65504) at bits[16 s + c]; every product is an fp16 (2 + 4
+// significant bits, 2^-14 .. 168), a NaN scale's NaN. A vector spans blocks 2 v and 2 v + 1:
+// their two table rows fill the register, and the index is the nibble plus 16 in the lanes of
+// the second block (lanes 8..15 and 24..31).
+struct HalfNvfp4 {
+  static constexpr float kFold = 16.0f;  // 1 / half_sum_scale(nvfp4)
+  struct State {
+    __m512i shifts, second_block;
+    const std::uint16_t* table;
+  };
+  struct Table {
+    alignas(64) std::uint16_t bits[256 * 16];
+    Table() {
+      static constexpr auto kScales = e4m3_value_table<0>();
+      for (int s = 0; s < 256; ++s) {
+        for (int c = 0; c < 16; ++c) {
+          bits[16 * s + c] =
+              HalfBits(decode_minifloat<kE2M1Spec>(std::uint32_t(c)) * kScales[s] * 0.0625f);
+        }
+      }
+    }
+  };
+  static HWY_INLINE State MakeState() {
+    static const Table kTable;
+    alignas(64) static constexpr std::uint16_t kSecondBlock[32] = {
+        0, 0, 0, 0, 0, 0, 0, 0, 16, 16, 16, 16, 16, 16, 16, 16,
+        0, 0, 0, 0, 0, 0, 0, 0, 16, 16, 16, 16, 16, 16, 16, 16};
+    return {_mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1),
+            _mm512_load_si512(kSecondBlock), kTable.bits};
+  }
+  static HWY_INLINE __m512h Decode(const State& s, const std::uint8_t* row, std::size_t v,
+                                   std::size_t d) {
+    const __m256i bytes = _mm256_broadcastsi128_si256(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * v)));
+    // (nibble & 0x0F) | block offset
+    const __m512i index =
+        _mm512_ternarylogic_epi32(_mm512_srlv_epi16(_mm512_cvtepu8_epi16(bytes), s.shifts),
+                                  _mm512_set1_epi16(0x0F), s.second_block, 0xEA);
+    const std::uint8_t* scale_codes = row + d / 2 + 2 * v;
+    const __m512i rows = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_load_si256(
+            reinterpret_cast<const __m256i*>(s.table + 16 * std::size_t(scale_codes[0])))),
+        _mm256_load_si256(
+            reinterpret_cast<const __m256i*>(s.table + 16 * std::size_t(scale_codes[1]))),
+        1);
+    return _mm512_castsi512_ph(_mm512_permutexvar_epi16(index, rows));
+  }
+};
+
+// The fp16 half of an fp16 FMA with p broadcast from memory (embedded broadcast: a load, not a
+// shuffle; GCC writes vpbroadcastw plus the FMA for the intrinsics).
+HWY_INLINE __m512h HalfMulAddBroadcast(const std::uint16_t* p, __m512h x, __m512h acc) {
+  asm("vfmadd231ph %2%{1to32%}, %1, %0" : "+v"(acc) : "v"(x), "m"(*p));
+  return acc;
+}
+
+// sums[r][i] = the fp16 sums over keys [k0, k1) of p[r][t] * vector v0 + i of V row t, for 4
+// rows (p rows p_stride apart) and 4 vectors (128 channels). Named accumulators, stored once at
+// the end: with an array GCC kept them on the stack and stored every key.
+template <class Half>
+HWY_INLINE void GroupSums4(const typename Half::State& state, const std::uint8_t* const* bases,
+                           std::int64_t offset, int k0, int k1, std::size_t v0, std::size_t d,
+                           const std::uint16_t* p, std::size_t p_stride,
+                           std::uint16_t (*sums)[32]) {
+  __m512h a00 = _mm512_setzero_ph(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00,
+          a12 = a00, a13 = a00, a20 = a00, a21 = a00, a22 = a00, a23 = a00, a30 = a00, a31 = a00,
+          a32 = a00, a33 = a00;
+  const std::uint16_t* p0 = p;
+  const std::uint16_t* p1 = p + p_stride;
+  const std::uint16_t* p2 = p + 2 * p_stride;
+  const std::uint16_t* p3 = p + 3 * p_stride;
+  for (int t = k0; t < k1; ++t) {
+    const std::uint8_t* row = bases[t] + offset;
+    const __m512h x0 = Half::Decode(state, row, v0, d);
+    const __m512h x1 = Half::Decode(state, row, v0 + 1, d);
+    const __m512h x2 = Half::Decode(state, row, v0 + 2, d);
+    const __m512h x3 = Half::Decode(state, row, v0 + 3, d);
+    a00 = HalfMulAddBroadcast(p0 + t, x0, a00);
+    a01 = HalfMulAddBroadcast(p0 + t, x1, a01);
+    a02 = HalfMulAddBroadcast(p0 + t, x2, a02);
+    a03 = HalfMulAddBroadcast(p0 + t, x3, a03);
+    a10 = HalfMulAddBroadcast(p1 + t, x0, a10);
+    a11 = HalfMulAddBroadcast(p1 + t, x1, a11);
+    a12 = HalfMulAddBroadcast(p1 + t, x2, a12);
+    a13 = HalfMulAddBroadcast(p1 + t, x3, a13);
+    a20 = HalfMulAddBroadcast(p2 + t, x0, a20);
+    a21 = HalfMulAddBroadcast(p2 + t, x1, a21);
+    a22 = HalfMulAddBroadcast(p2 + t, x2, a22);
+    a23 = HalfMulAddBroadcast(p2 + t, x3, a23);
+    a30 = HalfMulAddBroadcast(p3 + t, x0, a30);
+    a31 = HalfMulAddBroadcast(p3 + t, x1, a31);
+    a32 = HalfMulAddBroadcast(p3 + t, x2, a32);
+    a33 = HalfMulAddBroadcast(p3 + t, x3, a33);
+  }
+  const __m512h all[16] = {a00, a01, a02, a03, a10, a11, a12, a13,
+                           a20, a21, a22, a23, a30, a31, a32, a33};
+  for (int k = 0; k < 16; ++k) _mm512_store_ph(sums[k], all[k]);
+}
+
+// As GroupSums4 for one row.
+template <class Half>
+HWY_INLINE void GroupSums1(const typename Half::State& state, const std::uint8_t* const* bases,
+                           std::int64_t offset, int k0, int k1, std::size_t v0, std::size_t d,
+                           const std::uint16_t* p, std::uint16_t (*sums)[32]) {
+  __m512h a0 = _mm512_setzero_ph(), a1 = a0, a2 = a0, a3 = a0;
+  for (int t = k0; t < k1; ++t) {
+    const std::uint8_t* row = bases[t] + offset;
+    a0 = HalfMulAddBroadcast(p + t, Half::Decode(state, row, v0, d), a0);
+    a1 = HalfMulAddBroadcast(p + t, Half::Decode(state, row, v0 + 1, d), a1);
+    a2 = HalfMulAddBroadcast(p + t, Half::Decode(state, row, v0 + 2, d), a2);
+    a3 = HalfMulAddBroadcast(p + t, Half::Decode(state, row, v0 + 3, d), a3);
+  }
+  _mm512_store_ph(sums[0], a0);
+  _mm512_store_ph(sums[1], a1);
+  _mm512_store_ph(sums[2], a2);
+  _mm512_store_ph(sums[3], a3);
+}
+
+// acc [rows][ld] (the fp32 decoder's channel order) = alpha * acc + P . V over the tile's count
+// V rows at bases[t] + offset, P [rows][stride] already rounded to fp16 values (SoftmaxTile);
+// alpha null: no rescale. prefetch_rows: the rows of the next tile to prefetch per pair of fp32
+// vectors, as AccumulateValues issues them.
+template <class Half>
+HWY_NOINLINE void ValuesHalf(const float* HWY_RESTRICT probs, std::size_t stride, int rows,
+                             const std::uint8_t* const* bases, std::int64_t offset, int count,
+                             std::size_t d, float* HWY_RESTRICT acc, std::size_t ld,
+                             const float* alpha, TilePrefetcher& prefetch, int prefetch_rows) {
+  // P as fp16 words (exact: P was rounded to fp16 values), 32 words of padding a row.
+  thread_local std::vector<std::uint16_t> words;
+  const std::size_t p_stride = (std::size_t(count) + 31) / 32 * 32;
+  if (words.size() < std::size_t(rows) * p_stride) words.resize(std::size_t(rows) * p_stride);
+  for (int r = 0; r < rows; ++r) {
+    for (int t = 0; t < count; t += 16) {
+      const __m512 p = _mm512_loadu_ps(probs + std::size_t(r) * stride + t);  // padded rows
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(words.data() + r * p_stride + t),
+                          _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+  }
+  const auto state = Half::MakeState();
+  // The fp32 path issues d / 32 x prefetch_rows rows over a tile; as many here, by group.
+  const std::size_t tile_prefetch = d / 32 * std::size_t(prefetch_rows);
+  alignas(64) std::uint16_t sums[16][32];
+  const auto fold = [&](int r, int k0, std::size_t v0, int vectors) HWY_ATTR {
+    float* a = acc + std::size_t(r) * ld;
+    const __m512 scale = _mm512_set1_ps(k0 == 0 && alpha != nullptr ? alpha[r] : 1.0f);
+    const __m512 half_fold = _mm512_set1_ps(Half::kFold);
+    for (int i = 0; i < vectors; ++i) {
+      const std::uint16_t* s = sums[(r % 4) * 4 + i];
+      float* dst = a + (v0 + i) * 32;
+      for (int h = 0; h < 2; ++h) {
+        const __m512 sum =
+            _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(s + 16 * h)));
+        const __m512 kept = _mm512_mul_ps(_mm512_loadu_ps(dst + 16 * h), scale);
+        _mm512_storeu_ps(dst + 16 * h, _mm512_fmadd_ps(sum, half_fold, kept));
+      }
+    }
+  };
+  for (int k0 = 0; k0 < count; k0 += kHalfGroupKeys) {
+    const int k1 = k0 + kHalfGroupKeys < count ? k0 + kHalfGroupKeys : count;
+    prefetch.Issue(
+        int((tile_prefetch * std::size_t(k1 - k0) + std::size_t(count) - 1) / std::size_t(count)));
+    for (std::size_t v0 = 0; v0 < d / 32; v0 += 4) {
+      int r = 0;
+      for (; r + 4 <= rows; r += 4) {
+        GroupSums4<Half>(state, bases, offset, k0, k1, v0, d, words.data() + r * p_stride, p_stride,
+                         sums);
+        for (int j = 0; j < 4; ++j) fold(r + j, k0, v0, 4);
+      }
+      for (; r < rows; ++r) {
+        GroupSums1<Half>(state, bases, offset, k0, k1, v0, d, words.data() + r * p_stride,
+                         sums + (r % 4) * 4);
+        fold(r, k0, v0, 4);
+      }
+    }
+  }
+}
+
+HWY_POP_ATTRIBUTES
+
+// Calls f.template operator()<Half>() with the fp16 decoder of `format` (HasHalfDecoder).
+template <class F>
+HWY_INLINE void VisitHalfDecoder(Format format, F&& f) {
+  if (format == Format::nvfp4) {
+    f.template operator()<HalfNvfp4>();
+  } else {
+    f.template operator()<HalfE2M1>();
+  }
+}
+
+#else
+#define MJOLNIR_HALF_VALUES 0
+#endif  // HWY_TARGET == HWY_AVX3_DL
+
+}  // namespace mjolnir::cpu::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#endif  // MJOLNIR_CPU_HALF_VALUES_INL_H_
