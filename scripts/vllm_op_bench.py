@@ -189,10 +189,11 @@ def prefill(lengths, rounds: int) -> list:
     return rows
 
 
-def decode_formats(formats, cases, rounds: int) -> list:
+def decode_formats(formats, cases, rounds: int, also_p_mode: str = "") -> list:
     """One layer's decode step (one new token per sequence) at long contexts: vLLM's op over
     its bf16 cache against mjolnir's attend_step over a cache of each format (written by
-    write_kv from the same Gaussian K / V, per-tensor scales 1), in the plugin's "auto" modes.
+    write_kv from the same Gaussian K / V, per-tensor scales 1), in the plugin's "auto" modes
+    (and, with also_p_mode, in that P mode too: rows "mjolnir_<format>_p<mode>").
     Each call follows a matmul of a layer's size, as in a model's step; interleaved rounds of 20
     calls, the median call of each round, then the median over rounds (microseconds)."""
     hq, hk, d, block = 32, 8, 128, 32
@@ -210,11 +211,20 @@ def decode_formats(formats, cases, rounds: int) -> list:
         step_attend = attend_of(step)
         caches = []  # keeps each format's pool alive
         kv = torch.randn(num_blocks * block, hk, d, dtype=torch.bfloat16)
+        other_attend = None
+        if also_p_mode:
+            other = torch.ops.mjolnir.plan_step(seq_lens, table, starts, 0, hq, hk, q_mode="auto",
+                                                p_mode=also_p_mode)
+            caches.append(other)
+            other_attend = attend_of(other)
         for fmt in formats:
             pool, view = mjolnir_cache(fmt, num_blocks, block, kv)
             caches.append(pool)
             fns[f"mjolnir_{fmt}"] = (lambda view=view, fmt=fmt: step_attend(
                 out, q, view, one, one, fmt, "BHN2D", d ** -0.5))
+            if other_attend is not None:
+                fns[f"mjolnir_{fmt}_p{also_p_mode}"] = (lambda view=view, fmt=fmt: other_attend(
+                    out, q, view, one, one, fmt, "BHN2D", d ** -0.5))
         for fn in fns.values():  # warm-up
             for _ in range(3):
                 fn()
@@ -323,13 +333,17 @@ def main() -> None:
     parser.add_argument("--formats",
                         help="comma-separated mjolnir formats: time a decode step at long "
                              "contexts over each (--cases) instead")
+    parser.add_argument("--also-p-mode", default="",
+                        help="with --formats: also time each format in this P mode (e.g. fp32 "
+                             "against the auto modes' choice)")
     parser.add_argument("--cases", default="4096x1,16384x1,4096x8",
                         help="with --formats: contexts x batches (default %(default)s)")
     args = parser.parse_args()
     if args.formats:
         load_kernels()
         cases = [tuple(int(x) for x in case.split("x"))[::-1] for case in args.cases.split(",")]
-        write_decode_rows(args.json, decode_formats(args.formats.split(","), cases, args.rounds))
+        write_decode_rows(args.json, decode_formats(args.formats.split(","), cases, args.rounds,
+                                                    args.also_p_mode))
         return
     if args.cold:
         load_kernels()

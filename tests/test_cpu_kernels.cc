@@ -887,6 +887,27 @@ TEST(CpuAmx, MatchesEmulator) {
       });
 }
 
+// A ragged step of `format` (a prompt, a chunk, a decode and a chunk in one batch; query tiles
+// of up to 32 tokens, 128 rows at g 4), D 128, tiles of 64 keys, in the given modes.
+verify::Case RaggedCase(Format format, QMode q_mode, PMode p_mode, std::mt19937_64& rng) {
+  verify::Case c;
+  verify::ProblemSpec& s = c.spec;
+  s.format = format;
+  s.layout = kAllLayouts[rng() % 6];
+  s.page_size = 16;
+  s.head_dim = 128;
+  s.group = 4;
+  s.num_kv_heads = 2;
+  s.params.q_len = 0;
+  s.params.q_mode = q_mode;
+  s.params.p_mode = p_mode;
+  s.seed = rng();
+  s.seq_lens = {200, 77, 9, 130};
+  s.query_lens = {200, 13, 1, 31};
+  c.tile_tokens = 64;
+  return c;
+}
+
 // P . V with P in bf16 on the path `path_count` counts, against the emulator within the
 // tolerance of P rounded from the kernel's own scores (docs/numerics.md), and against the exact
 // reference within P bf16's bound: the Q . K cases above with P in bf16, and ragged steps
@@ -920,22 +941,9 @@ void ExpectValuesOnPathMatchEmulator(const Backend& backend,
   std::mt19937_64 rng(seed + 6);
   for (Format format : {Format::bf16, Format::fp8_e4m3, Format::fp6_e3m2, Format::fp4_e2m1,
                         Format::nvfp4, Format::fp16}) {
-    verify::Case c;
-    verify::ProblemSpec& s = c.spec;
-    s.format = format;
-    s.layout = kAllLayouts[rng() % 6];
-    s.page_size = 16;
-    s.head_dim = 128;
-    s.group = 4;
-    s.num_kv_heads = 2;
-    s.params.q_len = 0;
-    s.params.p_mode = PMode::bf16;
-    s.params.q_mode = rng() % 2 ? QMode::bf16 : QMode::fp32;
-    s.bf16_queries = true;
-    s.seed = rng();
-    s.seq_lens = {200, 77, 9, 130};
-    s.query_lens = {200, 13, 1, 31};  // a prompt, a chunk, a decode, a chunk
-    c.tile_tokens = 64;
+    const QMode q_mode = rng() % 2 ? QMode::bf16 : QMode::fp32;
+    verify::Case c = RaggedCase(format, q_mode, PMode::bf16, rng);
+    c.spec.bf16_queries = true;
     // fp16 values are not bf16 values: its P . V stays on the FMAs.
     check(c, format != Format::fp16);
   }
@@ -1025,22 +1033,7 @@ TEST(CpuHalfValues, MatchEmulator) {
     }
   }
   for (const Format format : {Format::fp4_e2m1, Format::nvfp4}) {
-    verify::Case c;
-    verify::ProblemSpec& s = c.spec;
-    s.format = format;
-    s.layout = kAllLayouts[rng() % 6];
-    s.page_size = 16;
-    s.head_dim = 128;
-    s.group = 4;
-    s.num_kv_heads = 2;
-    s.params.q_len = 0;
-    s.params.p_mode = PMode::fp16;
-    s.params.q_mode = QMode::int8;
-    s.seed = rng();
-    s.seq_lens = {200, 77, 9, 130};
-    s.query_lens = {200, 13, 1, 31};  // a prompt, a chunk, a decode, a chunk
-    c.tile_tokens = 64;
-    check(c);
+    check(RaggedCase(format, QMode::int8, PMode::fp16, rng));
   }
   ASSERT_FALSE(path_errors.empty());
   std::nth_element(path_errors.begin(), path_errors.begin() + path_errors.size() / 2,

@@ -17,6 +17,7 @@ namespace mjolnir::reference {
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr float kInf = std::numeric_limits<float>::infinity();
 constexpr float kFp8PScale = 256.0f;  // fp8 P = e4m3(p * 256): p in (0, 1] lands in [.., 256]
 
 float round_to(Format format, float x) { return decode_element(format, encode_element(format, x)); }
@@ -104,13 +105,25 @@ float round_probability(float p, PMode mode) {
   return p;
 }
 
-// P mode fp16's step: the fp16 nearest (ties to even) to p * v + sum, from the exact value. p, v
-// and sum are fp16 values, so p * v is exact in double and so is the sum but where sum exceeds the
-// product by more than 2^31, where the nearest fp16 is sum either way; the conversion from double
-// rounds once (a float in between could round twice).
+// The fp16 nearest to x (ties to even, subnormals kept, beyond 65504 + half a step +-Inf), as a
+// float: x divided by its fp16 quantum (a power of two, exactly), rounded to an integer in the
+// default rounding mode (to nearest even), multiplied back. From a double directly: a float in
+// between could round twice. (GCC 12 has no _Float16 in C++ on aarch64.)
+float round_to_half(double x) {
+  if (!std::isfinite(x)) return static_cast<float>(x);
+  int exponent = 0;
+  std::frexp(x, &exponent);                          // |x| in [2^(exponent - 1), 2^exponent)
+  const int quantum = std::max(exponent - 11, -24);  // 11 significant bits; subnormals 2^-24
+  const double rounded = std::ldexp(std::nearbyint(std::ldexp(x, -quantum)), quantum);
+  if (std::fabs(rounded) > 65504.0) return std::copysign(kInf, static_cast<float>(x));
+  return static_cast<float>(rounded);
+}
+
+// P mode fp16's step: the fp16 nearest to p * v + sum, from the exact value. p, v and sum are
+// fp16 values, so p * v is exact in double and so is the sum but where sum exceeds the product by
+// more than 2^31, where the nearest fp16 is sum either way.
 float half_multiply_add(float p, float v, float sum) {
-  const double exact = double(p) * double(v) + double(sum);
-  return static_cast<float>(static_cast<_Float16>(exact));
+  return round_to_half(double(p) * double(v) + double(sum));
 }
 
 float probability_scale(PMode mode) { return mode == PMode::fp8 ? kFp8PScale : 1.0f; }
