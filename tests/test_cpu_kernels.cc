@@ -832,8 +832,9 @@ TEST(CpuInt8Dot, AutoModesPickInt8WhereItRuns) {
   }
 }
 
-// P in fp16 where P . V runs on fp16 FMAs, in steps of up to half_auto_max_rows rows (nvfp4 8,
-// fp4_e2m1 4) that the AMX tiles do not take; fp32 everywhere else (but P in bf16 on the tiles).
+// P in fp16 where P . V runs on fp16 FMAs, in steps of up to half_auto_max_rows rows (nvfp4 and
+// fp6 8, fp4_e2m1 4) that the AMX tiles do not take; fp32 everywhere else (but P in bf16 on the
+// tiles).
 TEST(CpuHalfValues, AutoModesPickFp16WhereItRunsAndPays) {
   const auto backend = make_backend("cpu", BackendOptions{.threads = 1});
   const bool tiles = cpu::cpu_has_amx() && cpu::cpu_has_bf16_dot();
@@ -843,7 +844,9 @@ TEST(CpuHalfValues, AutoModesPickFp16WhereItRunsAndPays) {
         const mjolnir::CacheGeometry geometry{format, 4, 16, 8, d};
         const mjolnir::NumericsModes modes = backend->auto_modes(geometry, rows, true);
         if (tiles && rows >= 8 && format != Format::fp16 && d % 64 == 0) continue;  // P bf16
-        const int max_rows = format == Format::nvfp4 ? 8 : format == Format::fp4_e2m1 ? 4 : 0;
+        const bool eight =
+            format == Format::nvfp4 || format == Format::fp6_e2m3 || format == Format::fp6_e3m2;
+        const int max_rows = eight ? 8 : format == Format::fp4_e2m1 ? 4 : 0;
         const bool half = rows <= max_rows && cpu::half_values_apply(format, d);
         EXPECT_EQ(modes.p_mode, half ? PMode::fp16 : PMode::fp32)
             << to_string(format) << " D " << d << " rows " << rows;
@@ -984,7 +987,7 @@ TEST(CpuBf16Dot, ValuesMatchEmulator) {
 }
 
 // Every item's token range is covered exactly once by the units, and token parts merge back.
-// P mode fp16 (docs/numerics.md): where the CPU has AVX512-FP16, fp4_e2m1 and nvfp4 with D a
+// P mode fp16 (docs/numerics.md): where the CPU has AVX512-FP16, fp4_e2m1, nvfp4 and fp6 with D a
 // multiple of 128 run P . V on fp16 FMAs (cpu/half_values-inl.h) and sum each group of 32 keys in
 // fp16 as the emulator does, so they match it up to P codes that round the other way (rare: the
 // median case within 1e-4, where summing the same fp16 P in fp32, as the other formats and head
@@ -1018,7 +1021,7 @@ TEST(CpuHalfValues, MatchEmulator) {
   const int shapes[][2] = {{1, 1}, {4, 1}, {3, 2}, {8, 1}, {4, 4}, {5, 3}, {8, 4}};
   int index = 0;
   for (const Format format :
-       {Format::fp4_e2m1, Format::nvfp4, Format::fp6_e2m3, Format::fp8_e4m3}) {
+       {Format::fp4_e2m1, Format::nvfp4, Format::fp6_e2m3, Format::fp6_e3m2, Format::fp8_e4m3}) {
     for (const int d : {64, 128, 256}) {
       for (const auto [g, q_len] : shapes) {
         verify::Case c = QkCase(format, d, g, q_len, index, rng());
@@ -1026,8 +1029,8 @@ TEST(CpuHalfValues, MatchEmulator) {
         c.spec.params.q_mode = modes[index % 3];
         c.spec.params.p_mode = PMode::fp16;
         ++index;
-        // fp6 and fp8 sum on the FMAs: controls, at D 128 only.
-        if ((format == Format::fp6_e2m3 || format == Format::fp8_e4m3) && d != 128) continue;
+        // fp8 sums on the FMAs: a control, at D 128 only.
+        if (format == Format::fp8_e4m3 && d != 128) continue;
         check(c);
       }
     }

@@ -1,12 +1,12 @@
 // P . V on AVX512-FP16's fp16 FMAs, for P mode fp16 (docs/numerics.md): a vfmadd231ph does 32
 // multiply-adds for the cost of one fp32 FMA's 16, and at a decode step's 4 query rows P . V is
-// most of the kernel. V's codes are looked up as fp16 words (every e2m1 value, and every nvfp4
-// value times 2^-4, is an fp16), each key's 4 rows x 128 channels take 16 fp16 FMAs against 32
-// fp32 FMAs and 8 fp32 decodes, and the products of each group of kHalfGroupKeys keys of the tile
-// are summed in fp16 in key order, as the emulator sums them, then added into the fp32
+// most of the kernel. V's codes are looked up as fp16 words (every e2m1 and fp6 value, and every
+// nvfp4 value times 2^-4, is an fp16), each key's 4 rows x 128 channels take 16 fp16 FMAs against
+// 32 fp32 FMAs and 8 fp32 decodes, and the products of each group of kHalfGroupKeys keys of the
+// tile are summed in fp16 in key order, as the emulator sums them, then added into the fp32
 // accumulators (times 16 for nvfp4). docs/cpu-experiments.md, "P . V on AVX512-FP16 FMAs".
-// AVX3_DL target, on CPUs with AVX512-FP16 (Intel since Sapphire Rapids), fp4_e2m1 and nvfp4, D a
-// multiple of 128; elsewhere P mode fp16 sums its fp16 P on the fp32 FMAs (fma_values-inl.h).
+// AVX3_DL target, on CPUs with AVX512-FP16 (Intel since Sapphire Rapids), fp4_e2m1, nvfp4 and fp6,
+// D a multiple of 128; elsewhere P mode fp16 sums its fp16 P on the fp32 FMAs (fma_values-inl.h).
 // Per-target header, see kv_decode-inl.h.
 
 #if defined(MJOLNIR_CPU_HALF_VALUES_INL_H_) == defined(HWY_TARGET_TOGGLE)
@@ -46,7 +46,8 @@ inline bool CpuHasHalfFma() {
 
 // The formats with a decoder into fp16 words below.
 inline bool HasHalfDecoder(Format format) {
-  return format == Format::fp4_e2m1 || format == Format::nvfp4;
+  return format == Format::fp4_e2m1 || format == Format::nvfp4 || format == Format::fp6_e2m3 ||
+         format == Format::fp6_e3m2;
 }
 
 HWY_PUSH_ATTRIBUTES("avx512fp16")
@@ -67,7 +68,8 @@ inline std::uint16_t HalfBits(float value) {  // value is an fp16 value: exact
 
 // fp4 e2m1: the 16 values, repeated.
 struct HalfE2M1 {
-  static constexpr float kFold = 1.0f;  // 1 / half_sum_scale(fp4_e2m1)
+  static constexpr float kFold = 1.0f;     // 1 / half_sum_scale(fp4_e2m1)
+  static constexpr bool kNatural = false;  // lanes in the accumulators' order already
   struct State {
     __m512i table, shifts;
   };
@@ -100,6 +102,7 @@ struct HalfE2M1 {
 // the second block (lanes 8..15 and 24..31).
 struct HalfNvfp4 {
   static constexpr float kFold = 16.0f;  // 1 / half_sum_scale(nvfp4)
+  static constexpr bool kNatural = false;
   struct State {
     __m512i shifts, second_block;
     const std::uint16_t* table;
@@ -140,6 +143,52 @@ struct HalfNvfp4 {
             reinterpret_cast<const __m256i*>(s.table + 16 * std::size_t(scale_codes[1]))),
         1);
     return _mm512_castsi512_ph(_mm512_permutexvar_epi16(index, rows));
+  }
+};
+
+// fp6 (e2m3, e3m2): the codes of a 64-channel chunk are its 48 bytes (code c at bit 6 c), as
+// word_decoders-inl.h's DotFp6 reads them: vpermb brings the two bytes holding a code into its
+// word, a variable shift puts the code at the word's low bits, and vpermi2w looks the 6 bits up in
+// the 64 fp16 values (it ignores the bits above). Vector v is half v % 2 of chunk v / 2, in natural
+// order; the fp32 accumulators keep DecodeViaWords' order (each 32 channels' even ones, then the
+// odd ones), so the fold separates the lanes first (kNatural).
+template <MinifloatSpec kSpec>
+struct HalfFp6 {
+  static constexpr float kFold = 1.0f;
+  static constexpr bool kNatural = true;
+  struct State {
+    __m512i table0, table1, pairs[2], shifts[2];
+  };
+  struct Tables {
+    alignas(64) std::uint16_t values[64];
+    alignas(64) std::uint8_t pairs[2][64];
+    alignas(64) std::uint16_t shifts[2][32];
+    Tables() {
+      for (int i = 0; i < 64; ++i) values[i] = HalfBits(decode_minifloat<kSpec>(std::uint32_t(i)));
+      for (int j = 0; j < 2; ++j) {
+        for (int w = 0; w < 32; ++w) {
+          const int bit = 6 * (32 * j + w);
+          pairs[j][2 * w] = std::uint8_t(bit / 8);
+          pairs[j][2 * w + 1] = std::uint8_t(bit / 8 + 1);  // 48 at most: a zeroed byte
+          shifts[j][w] = std::uint16_t(bit % 8);
+        }
+      }
+    }
+  };
+  static HWY_INLINE State MakeState() {
+    static const Tables kTables;
+    return {_mm512_load_si512(kTables.values),
+            _mm512_load_si512(kTables.values + 32),
+            {_mm512_load_si512(kTables.pairs[0]), _mm512_load_si512(kTables.pairs[1])},
+            {_mm512_load_si512(kTables.shifts[0]), _mm512_load_si512(kTables.shifts[1])}};
+  }
+  static HWY_INLINE __m512h Decode(const State& s, const std::uint8_t* row, std::size_t v,
+                                   std::size_t /*d*/) {
+    const __m512i bytes = _mm512_maskz_loadu_epi8((__mmask64{1} << 48) - 1, row + v / 2 * 48);
+    // (The maskz form of vpermb with every lane kept: GCC 12 warns on the unmasked one.)
+    const __m512i codes = _mm512_srlv_epi16(
+        _mm512_maskz_permutexvar_epi8(~__mmask64{0}, s.pairs[v % 2], bytes), s.shifts[v % 2]);
+    return _mm512_castsi512_ph(_mm512_permutex2var_epi16(s.table0, codes, s.table1));
   }
 };
 
@@ -240,8 +289,15 @@ HWY_NOINLINE void ValuesHalf(const float* HWY_RESTRICT probs, std::size_t stride
     float* a = acc + std::size_t(r) * ld;
     const __m512 scale = _mm512_set1_ps(k0 == 0 && alpha != nullptr ? alpha[r] : 1.0f);
     const __m512 half_fold = _mm512_set1_ps(Half::kFold);
+    alignas(64) static constexpr std::uint16_t kEvenThenOdd[32] = {
+        0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30,
+        1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
     for (int i = 0; i < vectors; ++i) {
-      const std::uint16_t* s = sums[(r % 4) * 4 + i];
+      std::uint16_t* s = sums[(r % 4) * 4 + i];
+      if constexpr (Half::kNatural) {  // into the accumulators' order: even lanes, odd lanes
+        _mm512_store_si512(
+            s, _mm512_permutexvar_epi16(_mm512_load_si512(kEvenThenOdd), _mm512_load_si512(s)));
+      }
       float* dst = a + (v0 + i) * 32;
       for (int h = 0; h < 2; ++h) {
         const __m512 sum =
@@ -278,6 +334,10 @@ template <class F>
 HWY_INLINE void VisitHalfDecoder(Format format, F&& f) {
   if (format == Format::nvfp4) {
     f.template operator()<HalfNvfp4>();
+  } else if (format == Format::fp6_e2m3) {
+    f.template operator()<HalfFp6<kE2M3Spec>>();
+  } else if (format == Format::fp6_e3m2) {
+    f.template operator()<HalfFp6<kE3M2Spec>>();
   } else {
     f.template operator()<HalfE2M1>();
   }
