@@ -20,14 +20,15 @@
 #include <immintrin.h>
 #endif
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 #include "core/minifloat.h"
 #include "cpu/codec_tables.h"
 #include "cpu/tile_prefetcher.h"
+#include "cpu/word_decoders-inl.h"
 #include "hwy/highway.h"
 #include "mjolnir/decode.h"
 
@@ -52,102 +53,109 @@ inline bool HasHalfDecoder(Format format) {
 
 HWY_PUSH_ATTRIBUTES("avx512fp16")
 
-inline std::uint16_t HalfBits(float value) {  // value is an fp16 value: exact
-  const _Float16 h = static_cast<_Float16>(value);
-  std::uint16_t bits;
-  std::memcpy(&bits, &h, 2);
-  return bits;
+// The fp16 bits of a value that must be an fp16 value (a constant expression fails otherwise).
+constexpr std::uint16_t HalfBits(float value) {
+  const std::uint32_t code = encode_minifloat<kFp16Spec>(value);
+  if (decode_minifloat<kFp16Spec>(code) != value) throw "a value that is not an fp16 value";
+  return static_cast<std::uint16_t>(code);
 }
 
-// A 32-channel vector v of a row is its bytes 16 v .. 16 v + 15: lanes 0..15 the low nibbles
-// (even channels), 16..31 the high ones, the order of kv_decode-inl.h's DecodeE2M1 and
-// DecodeNvfp4 chunks, in which the fp32 accumulators are kept. The bytes are broadcast to both
-// halves, widened to words, the high half shifted down by 4, and vpermw looks the words' low 5
-// bits up (in a table that repeats its 16 entries for e2m1, so the bit above the nibble does not
-// matter): 3 ops a vector.
+// The fp16 words of every code of a format of up to 6 bits, `count` entries: code i % 2^bits, so
+// a lookup may ignore the index bits above the code's (as SmallBf16Table for bf16 words).
+template <MinifloatSpec kSpec, std::size_t kCount>
+struct SmallHalfTable {
+  alignas(64) std::array<std::uint16_t, kCount> words{};
+  constexpr SmallHalfTable() {
+    for (std::uint32_t i = 0; i < kCount; ++i) {
+      words[i] = HalfBits(decode_minifloat<kSpec>(i % (1u << kSpec.total_bits())));
+    }
+  }
+};
 
-// fp4 e2m1: the 16 values, repeated.
+// A 32-channel vector v of an e2m1 row is its bytes 16 v .. 16 v + 15: lanes 0..15 the low
+// nibbles (even channels), 16..31 the high ones, the order of kv_decode-inl.h's DecodeE2M1 and
+// DecodeNvfp4 chunks, in which the fp32 accumulators are kept. The bytes are broadcast to both
+// halves, widened to words and the high half shifted down by 4: each word holds its nibble in its
+// low 4 bits (lanes 0..15 also the next nibble above them). kHighHalfBy4: the shifts.
+alignas(64) inline constexpr std::uint16_t kHighHalfBy4[32] = {
+    0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4};
+HWY_INLINE __m512i NibbleWords(const std::uint8_t* row, std::size_t v, __m512i shifts) {
+  const __m256i bytes =
+      _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * v)));
+  return _mm512_srlv_epi16(_mm512_cvtepu8_epi16(bytes), shifts);
+}
+
+// fp4 e2m1: vpermw looks the words' low 5 bits up in the 16 values, repeated (so the bit above the
+// nibble does not matter): 3 ops a vector.
 struct HalfE2M1 {
   static constexpr float kFold = 1.0f;     // 1 / half_sum_scale(fp4_e2m1)
   static constexpr bool kNatural = false;  // lanes in the accumulators' order already
   struct State {
     __m512i table, shifts;
   };
-  struct Table {
-    alignas(64) std::uint16_t bits[32];
-    Table() {
-      for (int i = 0; i < 32; ++i) {
-        bits[i] = HalfBits(decode_minifloat<kE2M1Spec>(std::uint32_t(i % 16)));
-      }
-    }
-  };
   static HWY_INLINE State MakeState() {
-    static const Table kTable;
-    return {_mm512_load_si512(kTable.bits),
-            _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1)};
+    static constexpr SmallHalfTable<kE2M1Spec, 32> kTable;
+    return {_mm512_load_si512(kTable.words.data()), _mm512_load_si512(kHighHalfBy4)};
   }
   static HWY_INLINE __m512h Decode(const State& s, const std::uint8_t* row, std::size_t v,
                                    std::size_t /*d*/) {
-    const __m256i bytes = _mm256_broadcastsi128_si256(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * v)));
-    const __m512i index = _mm512_srlv_epi16(_mm512_cvtepu8_epi16(bytes), s.shifts);
-    return _mm512_castsi512_ph(_mm512_permutexvar_epi16(index, s.table));
+    return _mm512_castsi512_ph(_mm512_permutexvar_epi16(NibbleWords(row, v, s.shifts), s.table));
   }
 };
 
 // nvfp4: code c times block scale s times 2^-4 (half_sum_scale: 32 keys' sums then stay below
-// 168 x 32, far from fp16's 65504) at bits[16 s + c]; every product is an fp16 (2 + 4
-// significant bits, 2^-14 .. 168), a NaN scale's NaN. A vector spans blocks 2 v and 2 v + 1:
-// their two table rows fill the register, and the index is the nibble plus 16 in the lanes of
-// the second block (lanes 8..15 and 24..31).
+// 168 x 32, far from fp16's 65504) at words[16 s + c]; every product is an fp16 (2 + 4
+// significant bits, 2^-14 .. 168), a NaN scale's NaN. As codec_tables.h's kNvfp4ScaledWords for
+// bf16 words.
+struct HalfNvfp4Words {
+  alignas(64) std::array<std::uint16_t, 256 * 16> words{};
+  constexpr HalfNvfp4Words() {
+    constexpr auto kScales = e4m3_value_table<0>();
+    for (std::uint32_t s = 0; s < 256; ++s) {
+      for (std::uint32_t c = 0; c < 16; ++c) {
+        const float scale = kScales[s];
+        words[16 * s + c] = scale != scale
+                                ? std::uint16_t(kFp16Spec.nan_encoding())
+                                : HalfBits(decode_minifloat<kE2M1Spec>(c) * scale * 0.0625f);
+      }
+    }
+  }
+};
+inline constexpr HalfNvfp4Words kHalfNvfp4Words{};
+
+// A vector spans blocks 2 v and 2 v + 1: their two table rows fill the register, and the index
+// is the nibble plus 16 in the lanes of the second block (lanes 8..15 and 24..31).
 struct HalfNvfp4 {
   static constexpr float kFold = 16.0f;  // 1 / half_sum_scale(nvfp4)
   static constexpr bool kNatural = false;
   struct State {
     __m512i shifts, second_block;
-    const std::uint16_t* table;
-  };
-  struct Table {
-    alignas(64) std::uint16_t bits[256 * 16];
-    Table() {
-      static constexpr auto kScales = e4m3_value_table<0>();
-      for (int s = 0; s < 256; ++s) {
-        for (int c = 0; c < 16; ++c) {
-          bits[16 * s + c] =
-              HalfBits(decode_minifloat<kE2M1Spec>(std::uint32_t(c)) * kScales[s] * 0.0625f);
-        }
-      }
-    }
   };
   static HWY_INLINE State MakeState() {
-    static const Table kTable;
     alignas(64) static constexpr std::uint16_t kSecondBlock[32] = {
         0, 0, 0, 0, 0, 0, 0, 0, 16, 16, 16, 16, 16, 16, 16, 16,
         0, 0, 0, 0, 0, 0, 0, 0, 16, 16, 16, 16, 16, 16, 16, 16};
-    return {_mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1),
-            _mm512_load_si512(kSecondBlock), kTable.bits};
+    return {_mm512_load_si512(kHighHalfBy4), _mm512_load_si512(kSecondBlock)};
   }
   static HWY_INLINE __m512h Decode(const State& s, const std::uint8_t* row, std::size_t v,
                                    std::size_t d) {
-    const __m256i bytes = _mm256_broadcastsi128_si256(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * v)));
     // (nibble & 0x0F) | block offset
-    const __m512i index =
-        _mm512_ternarylogic_epi32(_mm512_srlv_epi16(_mm512_cvtepu8_epi16(bytes), s.shifts),
-                                  _mm512_set1_epi16(0x0F), s.second_block, 0xEA);
+    const __m512i index = _mm512_ternarylogic_epi32(NibbleWords(row, v, s.shifts),
+                                                    _mm512_set1_epi16(0x0F), s.second_block, 0xEA);
+    const std::uint16_t* table = kHalfNvfp4Words.words.data();
     const std::uint8_t* scale_codes = row + d / 2 + 2 * v;
     const __m512i rows = _mm512_inserti64x4(
         _mm512_castsi256_si512(_mm256_load_si256(
-            reinterpret_cast<const __m256i*>(s.table + 16 * std::size_t(scale_codes[0])))),
+            reinterpret_cast<const __m256i*>(table + 16 * std::size_t(scale_codes[0])))),
         _mm256_load_si256(
-            reinterpret_cast<const __m256i*>(s.table + 16 * std::size_t(scale_codes[1]))),
+            reinterpret_cast<const __m256i*>(table + 16 * std::size_t(scale_codes[1]))),
         1);
     return _mm512_castsi512_ph(_mm512_permutexvar_epi16(index, rows));
   }
 };
 
-// fp6 (e2m3, e3m2): the codes of a 64-channel chunk are its 48 bytes (code c at bit 6 c), as
-// word_decoders-inl.h's DotFp6 reads them: vpermb brings the two bytes holding a code into its
+// fp6 (e2m3, e3m2): the codes of a 64-channel chunk are its 48 bytes (code c at bit 6 c), read
+// with word_decoders-inl.h's DotFp6 layout: vpermb brings the two bytes holding a code into its
 // word, a variable shift puts the code at the word's low bits, and vpermi2w looks the 6 bits up in
 // the 64 fp16 values (it ignores the bits above). Vector v is half v % 2 of chunk v / 2, in natural
 // order; the fp32 accumulators keep DecodeViaWords' order (each 32 channels' even ones, then the
@@ -159,28 +167,14 @@ struct HalfFp6 {
   struct State {
     __m512i table0, table1, pairs[2], shifts[2];
   };
-  struct Tables {
-    alignas(64) std::uint16_t values[64];
-    alignas(64) std::uint8_t pairs[2][64];
-    alignas(64) std::uint16_t shifts[2][32];
-    Tables() {
-      for (int i = 0; i < 64; ++i) values[i] = HalfBits(decode_minifloat<kSpec>(std::uint32_t(i)));
-      for (int j = 0; j < 2; ++j) {
-        for (int w = 0; w < 32; ++w) {
-          const int bit = 6 * (32 * j + w);
-          pairs[j][2 * w] = std::uint8_t(bit / 8);
-          pairs[j][2 * w + 1] = std::uint8_t(bit / 8 + 1);  // 48 at most: a zeroed byte
-          shifts[j][w] = std::uint16_t(bit % 8);
-        }
-      }
-    }
-  };
   static HWY_INLINE State MakeState() {
-    static const Tables kTables;
-    return {_mm512_load_si512(kTables.values),
-            _mm512_load_si512(kTables.values + 32),
-            {_mm512_load_si512(kTables.pairs[0]), _mm512_load_si512(kTables.pairs[1])},
-            {_mm512_load_si512(kTables.shifts[0]), _mm512_load_si512(kTables.shifts[1])}};
+    static constexpr SmallHalfTable<kSpec, 64> kTable;
+    static constexpr typename DotFp6<kSpec>::Layout kLayout;
+    return {
+        _mm512_load_si512(kTable.words.data()),
+        _mm512_load_si512(kTable.words.data() + 32),
+        {_mm512_load_si512(kLayout.pairs[0].data()), _mm512_load_si512(kLayout.pairs[1].data())},
+        {_mm512_load_si512(kLayout.shifts[0].data()), _mm512_load_si512(kLayout.shifts[1].data())}};
   }
   static HWY_INLINE __m512h Decode(const State& s, const std::uint8_t* row, std::size_t v,
                                    std::size_t /*d*/) {
@@ -287,7 +281,8 @@ HWY_NOINLINE void ValuesHalf(const float* HWY_RESTRICT probs, std::size_t stride
   alignas(64) std::uint16_t sums[16][32];
   const auto fold = [&](int r, int k0, std::size_t v0, int vectors) HWY_ATTR {
     float* a = acc + std::size_t(r) * ld;
-    const __m512 scale = _mm512_set1_ps(k0 == 0 && alpha != nullptr ? alpha[r] : 1.0f);
+    const bool rescale = k0 == 0 && alpha != nullptr;  // the tile's alpha, once
+    const __m512 scale = _mm512_set1_ps(rescale ? alpha[r] : 1.0f);
     const __m512 half_fold = _mm512_set1_ps(Half::kFold);
     alignas(64) static constexpr std::uint16_t kEvenThenOdd[32] = {
         0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30,
@@ -302,7 +297,8 @@ HWY_NOINLINE void ValuesHalf(const float* HWY_RESTRICT probs, std::size_t stride
       for (int h = 0; h < 2; ++h) {
         const __m512 sum =
             _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(s + 16 * h)));
-        const __m512 kept = _mm512_mul_ps(_mm512_loadu_ps(dst + 16 * h), scale);
+        __m512 kept = _mm512_loadu_ps(dst + 16 * h);
+        if (rescale) kept = _mm512_mul_ps(kept, scale);
         _mm512_storeu_ps(dst + 16 * h, _mm512_fmadd_ps(sum, half_fold, kept));
       }
     }

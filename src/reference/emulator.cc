@@ -184,30 +184,28 @@ void run_item(const DecodeArgs& args, const Plan& plan, const WorkItem& item,
       float* a = &acc[std::size_t(r) * d];
       float tile_sum = 0.0f;
       for (int c = 0; c < d; ++c) a[c] *= alpha;
-      if (p.p_mode == PMode::fp16) {
-        // The tile's keys in groups of kHalfGroupKeys: each channel's products summed in fp16 in
-        // key order (at half_sum_scale times the values), each group's sum then added to acc.
-        const float in = half_sum_scale(cache.geometry.format), out = 1.0f / in;
-        for (int i0 = 0; i0 < n; i0 += kHalfGroupKeys) {
-          std::fill(half_sums.begin(), half_sums.end(), 0.0f);
-          for (int i = i0; i < std::min(n, i0 + kHalfGroupKeys); ++i) {
-            if (s[i] == kNegInf) continue;
-            const float prob = std::exp2(s[i] - m_new);
-            tile_sum += prob;
-            const float p_used = round_probability(prob, p.p_mode);
-            for (int c = 0; c < d; ++c) {
-              half_sums[c] = half_multiply_add(p_used, v_tile[i * d + c] * in, half_sums[c]);
-            }
-          }
-          for (int c = 0; c < d; ++c) a[c] += half_sums[c] * out;
-        }
-      } else {
-        for (int i = 0; i < n; ++i) {
-          if (s[i] == kNegInf) continue;
+      // P mode fp16: each channel's products summed in fp16 in key order (at half_sum_scale
+      // times the values), each group of kHalfGroupKeys keys from the tile's first (and the
+      // tile's last keys) then added to acc.
+      const bool half = p.p_mode == PMode::fp16;
+      const float in = half_sum_scale(cache.geometry.format), out = 1.0f / in;
+      for (int i = 0; i < n; ++i) {
+        if (s[i] != kNegInf) {
           const float prob = std::exp2(s[i] - m_new);
           tile_sum += prob;
           const float p_used = round_probability(prob, p.p_mode);
-          for (int c = 0; c < d; ++c) a[c] += p_used * v_tile[i * d + c];
+          const float* v = &v_tile[i * d];
+          if (half) {
+            for (int c = 0; c < d; ++c) {
+              half_sums[c] = half_multiply_add(p_used, v[c] * in, half_sums[c]);
+            }
+          } else {
+            for (int c = 0; c < d; ++c) a[c] += p_used * v[c];
+          }
+        }
+        if (half && ((i + 1) % kHalfGroupKeys == 0 || i + 1 == n)) {
+          for (int c = 0; c < d; ++c) a[c] += half_sums[c] * out;
+          std::fill(half_sums.begin(), half_sums.end(), 0.0f);
         }
       }
       l[r] = l[r] * alpha + tile_sum;
