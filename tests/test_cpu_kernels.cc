@@ -832,9 +832,9 @@ TEST(CpuInt8Dot, AutoModesPickInt8WhereItRuns) {
   }
 }
 
-// P in fp16 where P . V runs on fp16 FMAs, in steps of up to half_auto_max_rows rows (nvfp4 and
-// fp6 8, fp4_e2m1 4) that the AMX tiles do not take; fp32 everywhere else (but P in bf16 on the
-// tiles).
+// P in fp16 where P . V runs on fp16 FMAs, in steps of up to half_auto_max_rows rows (nvfp4, fp6
+// and fp8_e4m3 8, fp4_e2m1 4) that the AMX tiles do not take; fp32 everywhere else (but P in bf16
+// on the tiles).
 TEST(CpuHalfValues, AutoModesPickFp16WhereItRunsAndPays) {
   const auto backend = make_backend("cpu", BackendOptions{.threads = 1});
   const bool tiles = cpu::cpu_has_amx() && cpu::cpu_has_bf16_dot();
@@ -844,8 +844,8 @@ TEST(CpuHalfValues, AutoModesPickFp16WhereItRunsAndPays) {
         const mjolnir::CacheGeometry geometry{format, 4, 16, 8, d};
         const mjolnir::NumericsModes modes = backend->auto_modes(geometry, rows, true);
         if (tiles && rows >= 8 && format != Format::fp16 && d % 64 == 0) continue;  // P bf16
-        const bool eight =
-            format == Format::nvfp4 || format == Format::fp6_e2m3 || format == Format::fp6_e3m2;
+        const bool eight = format == Format::nvfp4 || format == Format::fp6_e2m3 ||
+                           format == Format::fp6_e3m2 || format == Format::fp8_e4m3;
         const int max_rows = eight ? 8 : format == Format::fp4_e2m1 ? 4 : 0;
         const bool half = rows <= max_rows && cpu::half_values_apply(format, d);
         EXPECT_EQ(modes.p_mode, half ? PMode::fp16 : PMode::fp32)
@@ -987,13 +987,13 @@ TEST(CpuBf16Dot, ValuesMatchEmulator) {
 }
 
 // Every item's token range is covered exactly once by the units, and token parts merge back.
-// P mode fp16 (docs/numerics.md): where the CPU has AVX512-FP16, fp4_e2m1, nvfp4 and fp6 with D a
-// multiple of 128 run P . V on fp16 FMAs (cpu/half_values-inl.h) and sum each group of 32 keys in
-// fp16 as the emulator does, so they match it up to P codes that round the other way (rare: the
-// median case within 1e-4, where summing the same fp16 P in fp32, as the other formats and head
-// sizes do, differs by 5e-4 to 1e-3). Every case within P fp16's tolerance of the emulator and its
-// bound against the exact reference; Q in int8, bf16 and fp32; decode shapes of 1 to 32 rows
-// (leftover rows past the 4-row blocks) and ragged steps (prefill and decodes in one batch).
+// P mode fp16 (docs/numerics.md): where the CPU has AVX512-FP16, fp4_e2m1, nvfp4, fp6 and fp8_e4m3
+// with D a multiple of 128 run P . V on fp16 FMAs (cpu/half_values-inl.h) and sum each group of 32
+// keys in fp16 as the emulator does, so they match it up to P codes that round the other way (rare:
+// the median case within 1e-4, where summing the same fp16 P in fp32, as D 64 does, differs by 5e-4
+// to 1e-3). Every case within P fp16's tolerance of the emulator and its bound against the exact
+// reference; Q in int8, bf16 and fp32; decode shapes of 1 to 32 rows (leftover rows past the 4-row
+// blocks) and ragged steps (prefill and decodes in one batch).
 TEST(CpuHalfValues, MatchEmulator) {
   if (!cpu::half_values_apply(Format::fp4_e2m1, 128)) {
     GTEST_SKIP() << "the dispatched target (" << cpu::kernel_target()
@@ -1029,15 +1029,14 @@ TEST(CpuHalfValues, MatchEmulator) {
         c.spec.params.q_mode = modes[index % 3];
         c.spec.params.p_mode = PMode::fp16;
         ++index;
-        // fp8 sums on the FMAs: a control, at D 128 only.
-        if (format == Format::fp8_e4m3 && d != 128) continue;
-        check(c);
+        check(c);  // D 64: off the path, a control (the fp16 P summed on fp32 FMAs)
       }
     }
   }
   for (const Format format : {Format::fp4_e2m1, Format::nvfp4}) {
     check(RaggedCase(format, QMode::int8, PMode::fp16, rng));
   }
+  check(RaggedCase(Format::fp8_e4m3, QMode::bf16, PMode::fp16, rng));
   ASSERT_FALSE(path_errors.empty());
   std::nth_element(path_errors.begin(), path_errors.begin() + path_errors.size() / 2,
                    path_errors.end());

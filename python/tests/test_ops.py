@@ -135,7 +135,7 @@ def test_numerics_modes_match_emulator(gen, q_mode, p_mode):
     assert rel_err(out, p.reference()) < 0.1
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "fp4_e2m1", "fp6_e2m3"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp4_e2m1", "fp6_e2m3", "fp8_e4m3"])
 def test_fp16_probabilities_match_emulator(gen, fmt):
     """P mode fp16 (fp16 P, each 32 keys' products summed in fp16): within the own-scores
     tolerance of the emulator, which sums in fp16 as the CPUs with AVX512-FP16 do (the others sum

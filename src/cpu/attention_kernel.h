@@ -86,19 +86,21 @@ bool cpu_has_int8_dot();
 bool int8_dot_applies(Format format, int head_dim);
 // Whether steps of this format and head size run P . V on fp16 FMAs in P mode fp16
 // (cpu/half_values-inl.h): D a multiple of 128, and the dispatched target decodes the format into
-// fp16 words on a CPU with AVX512-FP16 (AVX3_DL: fp4_e2m1, nvfp4, fp6). Elsewhere P mode fp16 sums
-// its fp16 P on fp32 FMAs.
+// fp16 words on a CPU with AVX512-FP16 (AVX3_DL: fp4_e2m1, nvfp4, fp6, fp8_e4m3). Elsewhere P mode
+// fp16 sums its fp16 P on fp32 FMAs.
 bool half_values_apply(Format format, int head_dim);
 // Query rows of a step's tiles up to which the auto modes put P in fp16 where half_values_apply:
-// nvfp4 and fp6 up to 8 (kernel_rates, one thread, against P fp32: nvfp4 0.85-0.90x at 4 rows,
-// 0.84-0.94x at 8, 0.92-1.04x at 16, 1.07x for a prompt's 128; fp6_e2m3 0.86x at 4, 0.89x at 8,
-// 1.02x at 16), fp4_e2m1 up to 4 (0.91-0.94x at 4, 1.01-1.04x at 8); 0 for the other formats
-// (docs/cpu-experiments.md, "P . V on AVX512-FP16 FMAs").
+// nvfp4, fp6 and fp8_e4m3 up to 8 (kernel_rates, one thread, against P fp32: nvfp4 0.85-0.90x at
+// 4 rows, 0.84-0.94x at 8, 0.92-1.04x at 16, 1.07x for a prompt's 128; fp6_e2m3 0.86x at 4, 0.89x
+// at 8, 1.02x at 16; fp8_e4m3 0.88-0.93x at 4, 0.82-0.94x at 8, 0.98-1.02x at 16), fp4_e2m1 up to
+// 4 (0.91-0.94x at 4, 1.01-1.04x at 8); 0 for the other formats (docs/cpu-experiments.md, "P . V
+// on AVX512-FP16 FMAs").
 inline int half_auto_max_rows(Format format) {
   switch (format) {
     case Format::nvfp4:
     case Format::fp6_e2m3:
     case Format::fp6_e3m2:
+    case Format::fp8_e4m3:
       return 8;
     case Format::fp4_e2m1:
       return 4;

@@ -1,13 +1,13 @@
 // P . V on AVX512-FP16's fp16 FMAs, for P mode fp16 (docs/numerics.md): a vfmadd231ph does 32
 // multiply-adds for the cost of one fp32 FMA's 16, and at a decode step's 4 query rows P . V is
-// most of the kernel. V's codes are looked up as fp16 words (every e2m1 and fp6 value, and every
-// nvfp4 value times 2^-4, is an fp16), each key's 4 rows x 128 channels take 16 fp16 FMAs against
-// 32 fp32 FMAs and 8 fp32 decodes, and the products of each group of kHalfGroupKeys keys of the
-// tile are summed in fp16 in key order, as the emulator sums them, then added into the fp32
+// most of the kernel. V's codes are looked up as fp16 words (every e2m1, fp6 and e4m3 value, and
+// every nvfp4 value times 2^-4, is an fp16), each key's 4 rows x 128 channels take 16 fp16 FMAs
+// against 32 fp32 FMAs and 8 fp32 decodes, and the products of each group of kHalfGroupKeys keys of
+// the tile are summed in fp16 in key order, as the emulator sums them, then added into the fp32
 // accumulators (times 16 for nvfp4). docs/cpu-experiments.md, "P . V on AVX512-FP16 FMAs".
-// AVX3_DL target, on CPUs with AVX512-FP16 (Intel since Sapphire Rapids), fp4_e2m1, nvfp4 and fp6,
-// D a multiple of 128; elsewhere P mode fp16 sums its fp16 P on the fp32 FMAs (fma_values-inl.h).
-// Per-target header, see kv_decode-inl.h.
+// AVX3_DL target, on CPUs with AVX512-FP16 (Intel since Sapphire Rapids), fp4_e2m1, nvfp4, fp6 and
+// fp8_e4m3, D a multiple of 128; elsewhere P mode fp16 sums its fp16 P on the fp32 FMAs
+// (fma_values-inl.h). Per-target header, see kv_decode-inl.h.
 
 #if defined(MJOLNIR_CPU_HALF_VALUES_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef MJOLNIR_CPU_HALF_VALUES_INL_H_
@@ -48,7 +48,7 @@ inline bool CpuHasHalfFma() {
 // The formats with a decoder into fp16 words below.
 inline bool HasHalfDecoder(Format format) {
   return format == Format::fp4_e2m1 || format == Format::nvfp4 || format == Format::fp6_e2m3 ||
-         format == Format::fp6_e3m2;
+         format == Format::fp6_e3m2 || format == Format::fp8_e4m3;
 }
 
 HWY_PUSH_ATTRIBUTES("avx512fp16")
@@ -88,8 +88,8 @@ HWY_INLINE __m512i NibbleWords(const std::uint8_t* row, std::size_t v, __m512i s
 // fp4 e2m1: vpermw looks the words' low 5 bits up in the 16 values, repeated (so the bit above the
 // nibble does not matter): 3 ops a vector.
 struct HalfE2M1 {
-  static constexpr float kFold = 1.0f;     // 1 / half_sum_scale(fp4_e2m1)
-  static constexpr bool kNatural = false;  // lanes in the accumulators' order already
+  static constexpr float kFold = 1.0f;         // 1 / half_sum_scale(fp4_e2m1)
+  static constexpr bool kFoldEvenOdd = false;  // lanes in the accumulators' order already
   struct State {
     __m512i table, shifts;
   };
@@ -127,7 +127,7 @@ inline constexpr HalfNvfp4Words kHalfNvfp4Words{};
 // is the nibble plus 16 in the lanes of the second block (lanes 8..15 and 24..31).
 struct HalfNvfp4 {
   static constexpr float kFold = 16.0f;  // 1 / half_sum_scale(nvfp4)
-  static constexpr bool kNatural = false;
+  static constexpr bool kFoldEvenOdd = false;
   struct State {
     __m512i shifts, second_block;
   };
@@ -159,11 +159,11 @@ struct HalfNvfp4 {
 // word, a variable shift puts the code at the word's low bits, and vpermi2w looks the 6 bits up in
 // the 64 fp16 values (it ignores the bits above). Vector v is half v % 2 of chunk v / 2, in natural
 // order; the fp32 accumulators keep DecodeViaWords' order (each 32 channels' even ones, then the
-// odd ones), so the fold separates the lanes first (kNatural).
+// odd ones), so the fold separates the lanes first (kFoldEvenOdd).
 template <MinifloatSpec kSpec>
 struct HalfFp6 {
   static constexpr float kFold = 1.0f;
-  static constexpr bool kNatural = true;
+  static constexpr bool kFoldEvenOdd = true;
   struct State {
     __m512i table0, table1, pairs[2], shifts[2];
   };
@@ -185,6 +185,41 @@ struct HalfFp6 {
     return _mm512_castsi512_ph(_mm512_permutex2var_epi16(s.table0, codes, s.table1));
   }
 };
+
+// fp8 e4m3: DotFp8's lookup (5 ops per 64 channels) into fp16 words, every e4m3 value being an
+// fp16; a chunk's two vectors at once (DecodePair). The words come in DotFp8's order, and the fp32
+// accumulators keep DecodeViaWords' (each word vector's even words, then its odd ones), so the fold
+// separates the lanes first, as for fp6.
+struct HalfE4M3 {
+  using Lookup = DotFp8<kE4M3Spec, Fp8Word::fp16>;
+  static constexpr float kFold = 1.0f;
+  static constexpr bool kFoldEvenOdd = true;
+  using State = Lookup::State;
+  static HWY_INLINE State MakeState() { return Lookup::MakeState(); }
+  static HWY_INLINE void DecodePair(const State& s, const std::uint8_t* row, std::size_t chunk,
+                                    __m512h& x0, __m512h& x1) {
+    Words w0, w1;
+    Lookup::Decode(s, row, chunk, w0, w1);
+    x0 = _mm512_castsi512_ph(w0.raw);
+    x1 = _mm512_castsi512_ph(w1.raw);
+  }
+};
+
+// Vectors v0 .. v0 + 3 of a V row (128 channels) as fp16 words: by chunk pairs where the decoder
+// decodes a chunk's two vectors together, else one at a time.
+template <class Half>
+HWY_INLINE void DecodeFour(const typename Half::State& s, const std::uint8_t* row, std::size_t v0,
+                           std::size_t d, __m512h& x0, __m512h& x1, __m512h& x2, __m512h& x3) {
+  if constexpr (requires(__m512h & x) { Half::DecodePair(s, row, v0, x, x); }) {
+    Half::DecodePair(s, row, v0 / 2, x0, x1);
+    Half::DecodePair(s, row, v0 / 2 + 1, x2, x3);
+  } else {
+    x0 = Half::Decode(s, row, v0, d);
+    x1 = Half::Decode(s, row, v0 + 1, d);
+    x2 = Half::Decode(s, row, v0 + 2, d);
+    x3 = Half::Decode(s, row, v0 + 3, d);
+  }
+}
 
 // The fp16 half of an fp16 FMA with p broadcast from memory (embedded broadcast: a load, not a
 // shuffle; GCC writes vpbroadcastw plus the FMA for the intrinsics).
@@ -209,11 +244,8 @@ HWY_INLINE void GroupSums4(const typename Half::State& state, const std::uint8_t
   const std::uint16_t* p2 = p + 2 * p_stride;
   const std::uint16_t* p3 = p + 3 * p_stride;
   for (int t = k0; t < k1; ++t) {
-    const std::uint8_t* row = bases[t] + offset;
-    const __m512h x0 = Half::Decode(state, row, v0, d);
-    const __m512h x1 = Half::Decode(state, row, v0 + 1, d);
-    const __m512h x2 = Half::Decode(state, row, v0 + 2, d);
-    const __m512h x3 = Half::Decode(state, row, v0 + 3, d);
+    __m512h x0, x1, x2, x3;
+    DecodeFour<Half>(state, bases[t] + offset, v0, d, x0, x1, x2, x3);
     a00 = HalfMulAddBroadcast(p0 + t, x0, a00);
     a01 = HalfMulAddBroadcast(p0 + t, x1, a01);
     a02 = HalfMulAddBroadcast(p0 + t, x2, a02);
@@ -243,11 +275,12 @@ HWY_INLINE void GroupSums1(const typename Half::State& state, const std::uint8_t
                            const std::uint16_t* p, std::uint16_t (*sums)[32]) {
   __m512h a0 = _mm512_setzero_ph(), a1 = a0, a2 = a0, a3 = a0;
   for (int t = k0; t < k1; ++t) {
-    const std::uint8_t* row = bases[t] + offset;
-    a0 = HalfMulAddBroadcast(p + t, Half::Decode(state, row, v0, d), a0);
-    a1 = HalfMulAddBroadcast(p + t, Half::Decode(state, row, v0 + 1, d), a1);
-    a2 = HalfMulAddBroadcast(p + t, Half::Decode(state, row, v0 + 2, d), a2);
-    a3 = HalfMulAddBroadcast(p + t, Half::Decode(state, row, v0 + 3, d), a3);
+    __m512h x0, x1, x2, x3;
+    DecodeFour<Half>(state, bases[t] + offset, v0, d, x0, x1, x2, x3);
+    a0 = HalfMulAddBroadcast(p + t, x0, a0);
+    a1 = HalfMulAddBroadcast(p + t, x1, a1);
+    a2 = HalfMulAddBroadcast(p + t, x2, a2);
+    a3 = HalfMulAddBroadcast(p + t, x3, a3);
   }
   _mm512_store_ph(sums[0], a0);
   _mm512_store_ph(sums[1], a1);
@@ -289,7 +322,7 @@ HWY_NOINLINE void ValuesHalf(const float* HWY_RESTRICT probs, std::size_t stride
         1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
     for (int i = 0; i < vectors; ++i) {
       std::uint16_t* s = sums[(r % 4) * 4 + i];
-      if constexpr (Half::kNatural) {  // into the accumulators' order: even lanes, odd lanes
+      if constexpr (Half::kFoldEvenOdd) {  // into the accumulators' order: even lanes, odd lanes
         _mm512_store_si512(
             s, _mm512_permutexvar_epi16(_mm512_load_si512(kEvenThenOdd), _mm512_load_si512(s)));
       }
@@ -334,6 +367,8 @@ HWY_INLINE void VisitHalfDecoder(Format format, F&& f) {
     f.template operator()<HalfFp6<kE2M3Spec>>();
   } else if (format == Format::fp6_e3m2) {
     f.template operator()<HalfFp6<kE3M2Spec>>();
+  } else if (format == Format::fp8_e4m3) {
+    f.template operator()<HalfE4M3>();
   } else {
     f.template operator()<HalfE2M1>();
   }

@@ -66,18 +66,32 @@ struct DotBf16 {
   static constexpr std::size_t Channel(std::size_t j, std::size_t w) { return 32 * j + w; }
 };
 
-// High and low bytes of the bf16 value of every magnitude code (sign bit clear) of an 8-bit
-// format. NaN and Inf codes keep their value (bf16 holds both), so a cache that holds one follows
-// the non-finite policy (core/non_finite.h) at no cost.
-template <MinifloatSpec kSpec>
-struct Fp8Bf16Table {
+// The words an fp8 code's value is looked up as: bf16 (the dot products, the fp32 paths) or fp16
+// (P mode fp16's fp16 FMAs, half_values-inl.h; e4m3 only: every e4m3 value is an fp16).
+enum class Fp8Word { bf16, fp16 };
+
+// High and low bytes of the bf16 (or fp16) value of every magnitude code (sign bit clear) of an
+// 8-bit format. NaN and Inf codes keep their value (bf16 holds both; e4m3 has no Inf), so a cache
+// that holds one follows the non-finite policy (core/non_finite.h) at no cost.
+template <MinifloatSpec kSpec, Fp8Word kWord = Fp8Word::bf16>
+struct Fp8WordTable {
   alignas(64) std::array<std::uint8_t, 128> high{}, low{};
-  constexpr Fp8Bf16Table() {
+  constexpr Fp8WordTable() {
     for (std::uint32_t code = 0; code < 128; ++code) {
-      const std::uint32_t bits = minifloat_detail::bits_from_float(decode_minifloat<kSpec>(code));
-      if ((bits & 0xFFFFu) != 0) throw "an fp8 value that is not a bf16 value";
-      high[code] = static_cast<std::uint8_t>(bits >> 24);
-      low[code] = static_cast<std::uint8_t>(bits >> 16);
+      const float value = decode_minifloat<kSpec>(code);
+      std::uint32_t word = 0;
+      if constexpr (kWord == Fp8Word::bf16) {
+        const std::uint32_t bits = minifloat_detail::bits_from_float(value);
+        if ((bits & 0xFFFFu) != 0) throw "an fp8 value that is not a bf16 value";
+        word = bits >> 16;
+      } else if (value != value) {
+        word = kFp16Spec.nan_encoding();
+      } else {
+        word = encode_minifloat<kFp16Spec>(value);
+        if (decode_minifloat<kFp16Spec>(word) != value) throw "an fp8 value that is not an fp16";
+      }
+      high[code] = static_cast<std::uint8_t>(word >> 8);
+      low[code] = static_cast<std::uint8_t>(word);
     }
   }
 };
@@ -86,14 +100,15 @@ struct Fp8Bf16Table {
 // code's magnitude (they index with the low 7 bits, so the sign bit is ignored), a ternary-logic
 // op puts the sign back into the high byte, and two byte unpacks pair the bytes into words:
 // 5 ops per 64 channels, against 12 for the fp32 decoder (kv_decode-inl.h). The unpacks work
-// within 128-bit blocks: word w of vector j is channel 16 (w / 8) + 8 j + w % 8.
-template <MinifloatSpec kSpec>
+// within 128-bit blocks: word w of vector j is channel 16 (w / 8) + 8 j + w % 8. The words are
+// bf16, or with kWord fp16 (both keep the sign in bit 15).
+template <MinifloatSpec kSpec, Fp8Word kWord = Fp8Word::bf16>
 struct DotFp8 {
   struct State {
     hn::Vec<hn::Repartition<std::uint8_t, WideFloatTag>> high0, high1, low0, low1, sign;
   };
   static HWY_INLINE State MakeState() {
-    static constexpr Fp8Bf16Table<kSpec> kTable;
+    static constexpr Fp8WordTable<kSpec, kWord> kTable;
     const hn::Repartition<std::uint8_t, WideFloatTag> d8;
     return {hn::Load(d8, kTable.high.data()), hn::Load(d8, kTable.high.data() + 64),
             hn::Load(d8, kTable.low.data()), hn::Load(d8, kTable.low.data() + 64),
