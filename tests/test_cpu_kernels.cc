@@ -605,7 +605,8 @@ TEST_P(CpuKernelMatrix, Int8DotMatchesEmulator) {
 // kDecodeOnceRows) and their blocks of rows load the decoded vectors: the scores and O must be
 // what decoding in registers gives, so the emulator's within the modes' tolerances, at 4 rows (in
 // registers), 16 and 32 (decoded once; g 16 x q_len 2 has leftover keys in its 4-key groups), for
-// Q in int8 (the keys, on x86) and fp32, with each format's decoder. decoded_once() says which
+// Q in int8 (the keys, on x86), bf16 (the keys as the dot products' words, AVX512_BF16) and fp32,
+// with each format's decoder. decoded_once() says which
 // rows this target decodes once; the path counts check the kernel took that path.
 TEST_P(CpuKernelMatrix, DecodeOnceMatchesEmulator) {
   const auto backend =
@@ -614,7 +615,7 @@ TEST_P(CpuKernelMatrix, DecodeOnceMatchesEmulator) {
   const int shapes[][2] = {{4, 1}, {4, 4}, {16, 2}};
   int index = 0;
   for (const Format format : kAllFormats) {
-    for (const QMode q_mode : {QMode::fp32, QMode::int8}) {
+    for (const QMode q_mode : {QMode::fp32, QMode::int8, QMode::bf16}) {
       for (const auto [g, q_len] : shapes) {
         verify::Case c = QkCase(format, 128, g, q_len, index, rng());
         if (!runs_case(index++)) continue;

@@ -382,7 +382,7 @@ void RunUnit(const KernelConfig& config, const DecodeArgs& args, const Plan& pla
   }
   if (paths.decoded_keys) {
     score_scratch.decoded_keys =
-        decoded_tile(kDecodedKeys, DecodedKeyStride(std::size_t(d)), bases + 3 * tile);
+        decoded_tile(kDecodedKeys, DecodedKeyStride(std::size_t(d), paths.int8), bases + 3 * tile);
     scratch.counts.decoded_keys += std::uint64_t(heads);
   }
 
@@ -531,7 +531,8 @@ DecodedOnce DecodesOnce(Format format, QMode q_mode, int rows, int head_dim) {
 #if !MJOLNIR_PORTABLE_TARGET
   UnitPaths paths;
   paths.int8 = q_mode == QMode::int8 && HasInt8DotFor(format) && head_dim % 128 == 0;
-  SetDecodedOnce(format, rows, paths);
+  paths.dot_scores = HasBf16Dot() && format != Format::fp16 && head_dim % 64 == 0;
+  SetDecodedOnce(format, q_mode, rows, paths);
   return {paths.decoded_keys, paths.decoded_values};
 #else
   (void)format, (void)q_mode, (void)rows, (void)head_dim;

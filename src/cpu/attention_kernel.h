@@ -114,8 +114,10 @@ inline int half_auto_max_rows(Format format) {
 
 // Which rows a work unit of `rows` query rows (g x q_len) decodes once per KV tile on the
 // dispatched target, with P in fp32 and no AMX tiles, instead of once per block of 4 or 8 query
-// rows: K where Q . K runs in integers (x86), V where P . V runs on FMAs and its decode costs
-// more than a load (cpu/kernel_paths-inl.h). The results are the same either way.
+// rows: K where Q . K runs in integers (x86) or, for Q in bf16, fp8 or int8, on the bf16 dot
+// products (AVX512_BF16, the formats whose words take a decode: not bf16, fp16, nvfp4), V where P .
+// V runs on FMAs and its decode costs more than a load (cpu/kernel_paths-inl.h). The results are
+// the same either way.
 struct DecodedOnce {
   bool keys = false, values = false;
 };

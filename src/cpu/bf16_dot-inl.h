@@ -190,6 +190,29 @@ HWY_INLINE void DotBlock(const std::uint16_t* HWY_RESTRICT q, std::size_t qs, st
   }
 }
 
+// The count K rows at bases[t] + offset decoded into Dot's words, row t at out + t * stride
+// (64-byte aligned; d / 64 chunks of two 64-byte vectors), which ScoresDot<DotBf16> then reads as
+// they are: a unit of many query rows (a prompt's query tile) decodes each key of a tile once
+// instead of once per block of 4 rows. Q is in Dot's word order already (PrepareDotQuery), and so
+// are the stored words. Not inlined, as ScoresDot.
+template <class Dot>
+HWY_NOINLINE void DecodeWordRows(const std::uint8_t* const* bases, std::int64_t offset, int count,
+                                 std::size_t d, std::uint8_t* HWY_RESTRICT out,
+                                 std::size_t stride) {
+  const WordTag dw;
+  const auto state = Dot::MakeState();
+  for (int t = 0; t < count; ++t) {
+    const std::uint8_t* row = bases[t] + offset;
+    std::uint8_t* words = out + std::size_t(t) * stride;
+    for (std::size_t c = 0; c < d / kDotChunk; ++c) {
+      Words x0, x1;
+      Dot::Decode(state, row, c, x0, x1);
+      hn::Store(x0, dw, reinterpret_cast<std::uint16_t*>(words + c * 128));
+      hn::Store(x1, dw, reinterpret_cast<std::uint16_t*>(words + c * 128 + 64));
+    }
+  }
+}
+
 // scores[r][t] = scale * q_r . k_t for the count K rows at bases[t] + offset, as ScoresFast does
 // it with fp32 FMAs (fast_scores-inl.h); q_words from PrepareDotQuery. Keys go in groups of
 // 4; a group of fewer repeats its last key and writes up to 3 scores past `count`, inside each

@@ -91,12 +91,25 @@ inline bool DecodeValuesOncePays(Format format) {
   return format != Format::bf16 && format != Format::fp16;
 }
 
+// Whether Q . K on the bf16 dot products (off the AMX tiles) decodes K into words once per tile:
+// the formats whose words take ops to make. Not bf16, whose rows are the words, nor nvfp4, whose
+// block scales DotBlock applies key by key. The dot products and the decode's byte permutes
+// compete for the same cores' ports (on the Emerald Rapids Xeon each vpermi2b added its own
+// 0.65 ns to 16 vdpbf16ps' 12.6), so a prompt's K decoded per 4-row block cost it directly.
+inline bool DecodeKeyWordsOncePays(Format format) {
+  return format != Format::bf16 && format != Format::fp16 && format != Format::nvfp4;
+}
+
 // Sets paths.decoded_keys / decoded_values for a unit of `rows` query rows whose other paths are
-// chosen: K where Q . K runs in integers on a target that reads decoded K (DecodedInt), V where
-// P . V runs on FMAs (not as words, on the tiles or the dot products) and the decode pays.
-inline void SetDecodedOnce(Format format, int rows, UnitPaths& paths) {
+// chosen: K where Q . K runs in integers on a target that reads decoded K (DecodedInt) or on the
+// bf16 dot products off the tiles for queries whose values are all bf16 values (Q mode bf16,
+// fp8, or int8 where it does not run in integers) and the decode pays, V where P . V runs on FMAs
+// (not as words, on the tiles or the dot products) and the decode pays.
+inline void SetDecodedOnce(Format format, QMode q_mode, int rows, UnitPaths& paths) {
   const bool many = rows >= kDecodeOnceRows;
-  paths.decoded_keys = MJOLNIR_INT8_DECODED_KEYS && paths.int8 && many;
+  const bool dot_words = MJOLNIR_BF16_DOT && paths.dot_scores && !paths.amx_scores && !paths.int8 &&
+                         q_mode != QMode::fp32 && DecodeKeyWordsOncePays(format);
+  paths.decoded_keys = many && ((MJOLNIR_INT8_DECODED_KEYS && paths.int8) || dot_words);
   paths.decoded_values = !paths.amx_values && !paths.dot_values && !paths.half_values && many &&
                          DecodeValuesOncePays(format);
 }
@@ -110,8 +123,9 @@ struct DecodedTile {
   std::uint8_t* Row(int t) const { return rows + std::size_t(t) * stride; }
 };
 
-// Bytes between the K rows a unit decodes once per tile (DecodedInt<Int>::RowBytes at most).
-inline std::size_t DecodedKeyStride(std::size_t d) { return d + d / 2; }
+// Bytes between the K rows a unit decodes once per tile: DecodedInt<Int>::RowBytes at most for
+// Q . K in integers, else the dot products' words (2 bytes a channel).
+inline std::size_t DecodedKeyStride(std::size_t d, bool int8) { return int8 ? d + d / 2 : 2 * d; }
 
 // The paths of a unit of `rows` query rows. P mode bf16 rounds P from the kernel's own scores
 // (docs/numerics.md) and takes P . V onto the tiles where they exist, else onto the bf16 dot
@@ -150,7 +164,7 @@ UnitPaths ChooseUnitPaths([[maybe_unused]] const KernelConfig& config, const Dec
   paths.half_values = args.params.p_mode == PMode::fp16 && HasHalfDecoder(format) && d % 128 == 0 &&
                       CpuHasHalfFma();
 #endif
-  SetDecodedOnce(format, rows, paths);
+  SetDecodedOnce(format, args.params.q_mode, rows, paths);
   return paths;
 }
 
@@ -263,7 +277,7 @@ struct ScoreScratch {
   bool fused;                 // the emulator's build fuses multiply-adds (the exact path)
   float* amx_sums;            // AMX scores: C tiles
   std::uint16_t* amx_keys;    // AMX scores: K as B tiles
-  DecodedTile decoded_keys;   // Q . K in integers over K decoded once per tile
+  DecodedTile decoded_keys;   // Q . K in integers or on the dot products over K decoded once a tile
 };
 
 // Q . K and the online softmax of one tile for one head: P into probs [R][stride] (or the
@@ -317,9 +331,17 @@ void ScoreHeadTile([[maybe_unused]] const UnitPaths& paths, HeadState& hs, const
     case ScorePath::bf16_dot:
 #if MJOLNIR_BF16_DOT
       if constexpr (!std::is_void_v<DotOf<Decoder>>) {
-        ScoresDot<DotOf<Decoder>>(reinterpret_cast<const std::uint16_t*>(hs.q), 2 * it.ld, it.rows,
-                                  d, tile.bases, hs.k_offset, tile.count, hs.kernel_scale, s.scores,
-                                  s.stride, prefetcher, prefetch_per_key);
+        const auto* q_words = reinterpret_cast<const std::uint16_t*>(hs.q);
+        if (s.decoded_keys.rows != nullptr) {  // K as words once per tile, read as bf16 rows
+          DecodeWordRows<DotOf<Decoder>>(tile.bases, hs.k_offset, tile.count, d,
+                                         s.decoded_keys.rows, s.decoded_keys.stride);
+          ScoresDot<DotBf16>(q_words, 2 * it.ld, it.rows, d, s.decoded_keys.bases, 0, tile.count,
+                             hs.kernel_scale, s.scores, s.stride, prefetcher, prefetch_per_key);
+          break;
+        }
+        ScoresDot<DotOf<Decoder>>(q_words, 2 * it.ld, it.rows, d, tile.bases, hs.k_offset,
+                                  tile.count, hs.kernel_scale, s.scores, s.stride, prefetcher,
+                                  prefetch_per_key);
       }
 #endif
       break;
