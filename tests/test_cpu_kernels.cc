@@ -833,9 +833,8 @@ TEST(CpuInt8Dot, AutoModesPickInt8WhereItRuns) {
   }
 }
 
-// P in fp16 where P . V runs on fp16 FMAs, in steps of up to half_auto_max_rows rows (fp4_e2m1,
-// nvfp4 and fp8_e4m3 every step, fp6_e2m3 16 rows, fp6_e3m2 8) that the AMX tiles do not take;
-// fp32 everywhere else (but P in bf16 on the tiles).
+// P in fp16 where P . V runs on fp16 FMAs (every step of the formats P fp16 takes) that the AMX
+// tiles do not take; fp32 everywhere else (but P in bf16 on the tiles).
 TEST(CpuHalfValues, AutoModesPickFp16WhereItRunsAndPays) {
   const auto backend = make_backend("cpu", BackendOptions{.threads = 1});
   const bool tiles = cpu::cpu_has_amx() && cpu::cpu_has_bf16_dot();
@@ -845,13 +844,7 @@ TEST(CpuHalfValues, AutoModesPickFp16WhereItRunsAndPays) {
         const mjolnir::CacheGeometry geometry{format, 4, 16, 8, d};
         const mjolnir::NumericsModes modes = backend->auto_modes(geometry, rows, true);
         if (tiles && rows >= 8 && format != Format::fp16 && d % 64 == 0) continue;  // P bf16
-        const bool all =
-            format == Format::fp4_e2m1 || format == Format::nvfp4 || format == Format::fp8_e4m3;
-        const int max_rows = all                          ? 1 << 30
-                             : format == Format::fp6_e2m3 ? 16
-                             : format == Format::fp6_e3m2 ? 8
-                                                          : 0;
-        const bool half = rows <= max_rows && cpu::half_values_apply(format, d);
+        const bool half = cpu::half_values_apply(format, d);
         EXPECT_EQ(modes.p_mode, half ? PMode::fp16 : PMode::fp32)
             << to_string(format) << " D " << d << " rows " << rows;
       }

@@ -92,9 +92,8 @@ class CpuBackend final : public Backend {
   // int8 where Q . K then runs in integers (fp4_e2m1, fp6_e2m3, nvfp4 on VNNI, AVX2 and Arm's
   // sdot, below the AMX tiles' rows): 1.26-1.36x faster decode steps on VNNI, error 1.00-1.06x of
   // fp32 Q's (docs/cpu-experiments.md, docs/accuracy.md). P in fp16 where P . V then runs on fp16
-  // FMAs (AVX512-FP16: fp4_e2m1, nvfp4, fp6, fp8_e4m3) in steps of up to half_auto_max_rows rows
-  // (every step for fp4_e2m1, nvfp4 and fp8_e4m3, 16 rows for fp6_e2m3, 8 for fp6_e3m2), where
-  // it took 0.79-0.98x of P fp32's time (docs/cpu-experiments.md).
+  // FMAs (AVX512-FP16: fp4_e2m1, nvfp4, fp6, fp8_e4m3; half_auto_max_rows: every step), where it
+  // took 0.79-0.99x of P fp32's time (docs/cpu-experiments.md).
   NumericsModes auto_modes(const CacheGeometry& geometry, int max_tile_rows,
                            bool bf16_queries) const override {
     NumericsModes modes;

@@ -29,6 +29,7 @@
 #include "cpu/codec_tables.h"
 #include "cpu/tile_prefetcher.h"
 #include "cpu/word_decoders-inl.h"
+#include "hwy/aligned_allocator.h"
 #include "hwy/highway.h"
 #include "mjolnir/decode.h"
 
@@ -348,25 +349,14 @@ HWY_INLINE void GroupSums1(const typename Half::State& state, const std::uint8_t
 // V rows at bases[t] + offset, P [rows][stride] already rounded to fp16 values (SoftmaxTile);
 // alpha null: no rescale. prefetch_rows: the rows of the next tile to prefetch per pair of fp32
 // vectors, as AccumulateValues issues them.
+// ValuesHalf's blocks over the count V rows at bases[t] + offset as Half reads them, P as fp16
+// words [rows][p_stride].
 template <class Half>
-HWY_NOINLINE void ValuesHalf(const float* HWY_RESTRICT probs, std::size_t stride, int rows,
-                             const std::uint8_t* const* bases, std::int64_t offset, int count,
-                             std::size_t d, float* HWY_RESTRICT acc, std::size_t ld,
-                             const float* alpha, TilePrefetcher& prefetch, int prefetch_rows) {
-  // P as fp16 words (exact: P was rounded to fp16 values), 32 words of padding a row.
-  thread_local std::vector<std::uint16_t> words;
-  const std::size_t p_stride = (std::size_t(count) + 31) / 32 * 32;
-  if (words.size() < std::size_t(rows) * p_stride) words.resize(std::size_t(rows) * p_stride);
-  for (int r = 0; r < rows; ++r) {
-    for (int t = 0; t < count; t += 16) {
-      const __m512 p = _mm512_loadu_ps(probs + std::size_t(r) * stride + t);  // padded rows
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(words.data() + r * p_stride + t),
-                          _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    }
-  }
-  const auto state = Half::MakeState();
-  // The fp32 path issues d / 32 x prefetch_rows rows over a tile; as many here, by group.
-  const std::size_t tile_prefetch = d / 32 * std::size_t(prefetch_rows);
+HWY_INLINE void HalfGroups(const typename Half::State& state, const std::uint16_t* words,
+                           std::size_t p_stride, int rows, const std::uint8_t* const* bases,
+                           std::int64_t offset, int count, std::size_t d, float* HWY_RESTRICT acc,
+                           std::size_t ld, const float* alpha, TilePrefetcher& prefetch,
+                           std::size_t tile_prefetch) {
   alignas(64) std::uint16_t sums[16][32];
   // Adds row r's group sums of vectors v0 .. v0 + vectors - 1 (row_sums[i]: vector v0 + i) into
   // its accumulators.
@@ -403,24 +393,94 @@ HWY_NOINLINE void ValuesHalf(const float* HWY_RESTRICT probs, std::size_t stride
     const int rows8 = rows / 8 * 8;
     for (std::size_t v0 = 0; v0 < d / 32; v0 += 2) {
       for (int r = 0; r < rows8; r += 8) {
-        GroupSums8<Half>(state, bases, offset, k0, k1, v0, d, words.data() + r * p_stride, p_stride,
-                         sums);
+        GroupSums8<Half>(state, bases, offset, k0, k1, v0, d, words + r * p_stride, p_stride, sums);
         for (int j = 0; j < 8; ++j) fold(r + j, k0, v0, 2, sums + 2 * j);
       }
     }
     for (std::size_t v0 = 0; v0 < d / 32; v0 += 4) {
       int r = rows8;
       for (; r + 4 <= rows; r += 4) {
-        GroupSums4<Half>(state, bases, offset, k0, k1, v0, d, words.data() + r * p_stride, p_stride,
-                         sums);
+        GroupSums4<Half>(state, bases, offset, k0, k1, v0, d, words + r * p_stride, p_stride, sums);
         for (int j = 0; j < 4; ++j) fold(r + j, k0, v0, 4, sums + 4 * j);
       }
       for (; r < rows; ++r) {
-        GroupSums1<Half>(state, bases, offset, k0, k1, v0, d, words.data() + r * p_stride, sums);
+        GroupSums1<Half>(state, bases, offset, k0, k1, v0, d, words + r * p_stride, sums);
         fold(r, k0, v0, 4, sums);
       }
     }
   }
+}
+
+// V rows decoded once into fp16 words (HalfStoredRows), read back as they are: the decoder's
+// lanes, order and scale, so the fold is Half's.
+template <class Half>
+struct HalfStored {
+  static constexpr float kFold = Half::kFold;
+  static constexpr bool kFoldEvenOdd = Half::kFoldEvenOdd;
+  struct State {};
+  static HWY_INLINE State MakeState() { return {}; }
+  static HWY_INLINE __m512h Decode(const State&, const std::uint8_t* row, std::size_t v,
+                                   std::size_t /*d*/) {
+    return _mm512_castsi512_ph(_mm512_load_si512(row + 64 * v));
+  }
+};
+
+// From this many query rows (a prompt's query tile, speculative q_len) the tile's V rows are
+// decoded into fp16 words once, where the 8-row blocks decoded each V vector once per block (16
+// times a key for 128 rows): as the fp32 path decodes V once per tile (kDecodeOnceRows).
+inline constexpr int kHalfStoredRows = 16;
+
+// acc [rows][ld] (the fp32 decoder's channel order) = alpha * acc + P . V over the tile's count
+// V rows at bases[t] + offset, P [rows][stride] already rounded to fp16 values (SoftmaxTile);
+// alpha null: no rescale. prefetch_rows: the rows of the next tile to prefetch per pair of fp32
+// vectors, as AccumulateValues issues them.
+template <class Half>
+HWY_NOINLINE void ValuesHalf(const float* HWY_RESTRICT probs, std::size_t stride, int rows,
+                             const std::uint8_t* const* bases, std::int64_t offset, int count,
+                             std::size_t d, float* HWY_RESTRICT acc, std::size_t ld,
+                             const float* alpha, TilePrefetcher& prefetch, int prefetch_rows) {
+  // P as fp16 words (exact: P was rounded to fp16 values), 32 words of padding a row.
+  thread_local std::vector<std::uint16_t> words;
+  const std::size_t p_stride = (std::size_t(count) + 31) / 32 * 32;
+  if (words.size() < std::size_t(rows) * p_stride) words.resize(std::size_t(rows) * p_stride);
+  for (int r = 0; r < rows; ++r) {
+    for (int t = 0; t < count; t += 16) {
+      const __m512 p = _mm512_loadu_ps(probs + std::size_t(r) * stride + t);  // padded rows
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(words.data() + r * p_stride + t),
+                          _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+  }
+  const auto state = Half::MakeState();
+  // The fp32 path issues d / 32 x prefetch_rows rows over a tile; as many here, by group.
+  const std::size_t tile_prefetch = d / 32 * std::size_t(prefetch_rows);
+  if (rows < kHalfStoredRows) {
+    HalfGroups<Half>(state, words.data(), p_stride, rows, bases, offset, count, d, acc, ld, alpha,
+                     prefetch, tile_prefetch);
+    return;
+  }
+  // [count][d] fp16 words, 64-byte aligned rows (d is a multiple of 128).
+  thread_local hwy::AlignedFreeUniquePtr<std::uint16_t[]> stored;
+  thread_local std::size_t stored_words = 0;
+  thread_local std::vector<const std::uint8_t*> stored_bases;
+  if (stored_words < std::size_t(count) * d) {
+    stored = hwy::AllocateAligned<std::uint16_t>(std::size_t(count) * d);
+    stored_words = std::size_t(count) * d;
+  }
+  if (stored_bases.size() < std::size_t(count)) stored_bases.resize(std::size_t(count));
+  for (int t = 0; t < count; ++t) {
+    std::uint16_t* out = stored.get() + std::size_t(t) * d;
+    for (std::size_t v = 0; v < d / 32; v += 4) {
+      __m512h x0, x1, x2, x3;
+      DecodeFour<Half>(state, bases[t] + offset, v, d, x0, x1, x2, x3);
+      _mm512_store_ph(out + 32 * v, x0);
+      _mm512_store_ph(out + 32 * (v + 1), x1);
+      _mm512_store_ph(out + 32 * (v + 2), x2);
+      _mm512_store_ph(out + 32 * (v + 3), x3);
+    }
+    stored_bases[std::size_t(t)] = reinterpret_cast<const std::uint8_t*>(out);
+  }
+  HalfGroups<HalfStored<Half>>({}, words.data(), p_stride, rows, stored_bases.data(), 0, count, d,
+                               acc, ld, alpha, prefetch, tile_prefetch);
 }
 
 HWY_POP_ATTRIBUTES
