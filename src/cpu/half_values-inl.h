@@ -206,20 +206,25 @@ struct HalfE4M3 {
   }
 };
 
-// Vectors v0 .. v0 + 3 of a V row (128 channels) as fp16 words: by chunk pairs where the decoder
-// decodes a chunk's two vectors together, else one at a time.
+// Vectors v0 and v0 + 1 of a V row (64 channels; v0 even) as fp16 words: by chunk pairs where the
+// decoder decodes a chunk's two vectors together, else one at a time.
 template <class Half>
-HWY_INLINE void DecodeFour(const typename Half::State& s, const std::uint8_t* row, std::size_t v0,
-                           std::size_t d, __m512h& x0, __m512h& x1, __m512h& x2, __m512h& x3) {
+HWY_INLINE void DecodeTwo(const typename Half::State& s, const std::uint8_t* row, std::size_t v0,
+                          std::size_t d, __m512h& x0, __m512h& x1) {
   if constexpr (requires(__m512h & x) { Half::DecodePair(s, row, v0, x, x); }) {
     Half::DecodePair(s, row, v0 / 2, x0, x1);
-    Half::DecodePair(s, row, v0 / 2 + 1, x2, x3);
   } else {
     x0 = Half::Decode(s, row, v0, d);
     x1 = Half::Decode(s, row, v0 + 1, d);
-    x2 = Half::Decode(s, row, v0 + 2, d);
-    x3 = Half::Decode(s, row, v0 + 3, d);
   }
+}
+
+// Vectors v0 .. v0 + 3 of a V row (128 channels) as fp16 words.
+template <class Half>
+HWY_INLINE void DecodeFour(const typename Half::State& s, const std::uint8_t* row, std::size_t v0,
+                           std::size_t d, __m512h& x0, __m512h& x1, __m512h& x2, __m512h& x3) {
+  DecodeTwo<Half>(s, row, v0, d, x0, x1);
+  DecodeTwo<Half>(s, row, v0 + 2, d, x2, x3);
 }
 
 // The fp16 half of an fp16 FMA with p broadcast from memory (embedded broadcast: a load, not a
@@ -267,18 +272,6 @@ HWY_INLINE void GroupSums4(const typename Half::State& state, const std::uint8_t
   const __m512h all[16] = {a00, a01, a02, a03, a10, a11, a12, a13,
                            a20, a21, a22, a23, a30, a31, a32, a33};
   for (int k = 0; k < 16; ++k) _mm512_store_ph(sums[k], all[k]);
-}
-
-// Vectors v0 and v0 + 1 of a V row (64 channels) as fp16 words.
-template <class Half>
-HWY_INLINE void DecodeTwo(const typename Half::State& s, const std::uint8_t* row, std::size_t v0,
-                          std::size_t d, __m512h& x0, __m512h& x1) {
-  if constexpr (requires(__m512h & x) { Half::DecodePair(s, row, v0, x, x); }) {
-    Half::DecodePair(s, row, v0 / 2, x0, x1);
-  } else {
-    x0 = Half::Decode(s, row, v0, d);
-    x1 = Half::Decode(s, row, v0 + 1, d);
-  }
 }
 
 // As GroupSums4 for 8 rows and 2 vectors (64 channels; v0 even): each V vector decoded once for 8
