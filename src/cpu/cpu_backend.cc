@@ -92,8 +92,8 @@ class CpuBackend final : public Backend {
   // int8 where Q . K then runs in integers (fp4_e2m1, fp6_e2m3, nvfp4 on VNNI, AVX2 and Arm's
   // sdot, below the AMX tiles' rows): 1.26-1.36x faster decode steps on VNNI, error 1.00-1.06x of
   // fp32 Q's (docs/cpu-experiments.md, docs/accuracy.md). P in fp16 where P . V then runs on fp16
-  // FMAs (AVX512-FP16: fp4_e2m1, nvfp4, fp6, fp8_e4m3; half_auto_max_rows: every step), where it
-  // took 0.79-0.99x of P fp32's time (docs/cpu-experiments.md).
+  // FMAs (AVX512-FP16: fp4_e2m1, nvfp4, fp6, fp8_e4m3; every step the tiles do not take), where
+  // it took 0.77-0.92x of P fp32's time (half_values_apply; docs/cpu-experiments.md).
   NumericsModes auto_modes(const CacheGeometry& geometry, int max_tile_rows,
                            bool bf16_queries) const override {
     NumericsModes modes;
@@ -106,8 +106,7 @@ class CpuBackend final : public Backend {
     if (max_tile_rows >= kAmxMinRows &&
         amx_values_apply(config_, geometry.format, PMode::bf16, geometry.head_dim)) {
       modes.p_mode = PMode::bf16;
-    } else if (max_tile_rows <= half_auto_max_rows(geometry.format) &&
-               half_values_apply(geometry.format, geometry.head_dim)) {
+    } else if (half_values_apply(geometry.format, geometry.head_dim)) {
       modes.p_mode = PMode::fp16;
     }
     return modes;
