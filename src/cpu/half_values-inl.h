@@ -29,7 +29,6 @@
 #include "cpu/codec_tables.h"
 #include "cpu/tile_prefetcher.h"
 #include "cpu/word_decoders-inl.h"
-#include "hwy/aligned_allocator.h"
 #include "hwy/highway.h"
 #include "mjolnir/decode.h"
 
@@ -338,10 +337,6 @@ HWY_INLINE void GroupSums1(const typename Half::State& state, const std::uint8_t
   _mm512_store_ph(sums[3], a3);
 }
 
-// acc [rows][ld] (the fp32 decoder's channel order) = alpha * acc + P . V over the tile's count
-// V rows at bases[t] + offset, P [rows][stride] already rounded to fp16 values (SoftmaxTile);
-// alpha null: no rescale. prefetch_rows: the rows of the next tile to prefetch per pair of fp32
-// vectors, as AccumulateValues issues them.
 // ValuesHalf's blocks over the count V rows at bases[t] + offset as Half reads them, P as fp16
 // words [rows][p_stride].
 template <class Half>
@@ -404,8 +399,8 @@ HWY_INLINE void HalfGroups(const typename Half::State& state, const std::uint16_
   }
 }
 
-// V rows decoded once into fp16 words (HalfStoredRows), read back as they are: the decoder's
-// lanes, order and scale, so the fold is Half's.
+// V rows that ValuesHalf decoded into fp16 words once per tile, read back as they are: the
+// decoder's lanes, order and scale, so the fold is Half's.
 template <class Half>
 struct HalfStored {
   static constexpr float kFold = Half::kFold;
@@ -418,20 +413,20 @@ struct HalfStored {
   }
 };
 
-// From this many query rows (a prompt's query tile, speculative q_len) the tile's V rows are
-// decoded into fp16 words once, where the 8-row blocks decoded each V vector once per block (16
-// times a key for 128 rows): as the fp32 path decodes V once per tile (kDecodeOnceRows).
-inline constexpr int kHalfStoredRows = 16;
-
 // acc [rows][ld] (the fp32 decoder's channel order) = alpha * acc + P . V over the tile's count
 // V rows at bases[t] + offset, P [rows][stride] already rounded to fp16 values (SoftmaxTile);
 // alpha null: no rescale. prefetch_rows: the rows of the next tile to prefetch per pair of fp32
-// vectors, as AccumulateValues issues them.
+// vectors, as AccumulateValues issues them. stored_rows: where the unit decodes V once per tile
+// (UnitPaths::decoded_values; row t at stored_rows + t * stored_stride, listed in stored_bases),
+// the rows are decoded into fp16 words there first, where the blocks would decode each V vector
+// once per block of rows (16 times a key for a prompt's 128); null: the blocks decode.
 template <class Half>
 HWY_NOINLINE void ValuesHalf(const float* HWY_RESTRICT probs, std::size_t stride, int rows,
                              const std::uint8_t* const* bases, std::int64_t offset, int count,
                              std::size_t d, float* HWY_RESTRICT acc, std::size_t ld,
-                             const float* alpha, TilePrefetcher& prefetch, int prefetch_rows) {
+                             const float* alpha, TilePrefetcher& prefetch, int prefetch_rows,
+                             std::uint8_t* stored_rows, std::size_t stored_stride,
+                             const std::uint8_t* const* stored_bases) {
   // P as fp16 words (exact: P was rounded to fp16 values), 32 words of padding a row.
   thread_local std::vector<std::uint16_t> words;
   const std::size_t p_stride = (std::size_t(count) + 31) / 32 * 32;
@@ -446,22 +441,13 @@ HWY_NOINLINE void ValuesHalf(const float* HWY_RESTRICT probs, std::size_t stride
   const auto state = Half::MakeState();
   // The fp32 path issues d / 32 x prefetch_rows rows over a tile; as many here, by group.
   const std::size_t tile_prefetch = d / 32 * std::size_t(prefetch_rows);
-  if (rows < kHalfStoredRows) {
+  if (stored_rows == nullptr) {
     HalfGroups<Half>(state, words.data(), p_stride, rows, bases, offset, count, d, acc, ld, alpha,
                      prefetch, tile_prefetch);
     return;
   }
-  // [count][d] fp16 words, 64-byte aligned rows (d is a multiple of 128).
-  thread_local hwy::AlignedFreeUniquePtr<std::uint16_t[]> stored;
-  thread_local std::size_t stored_words = 0;
-  thread_local std::vector<const std::uint8_t*> stored_bases;
-  if (stored_words < std::size_t(count) * d) {
-    stored = hwy::AllocateAligned<std::uint16_t>(std::size_t(count) * d);
-    stored_words = std::size_t(count) * d;
-  }
-  if (stored_bases.size() < std::size_t(count)) stored_bases.resize(std::size_t(count));
   for (int t = 0; t < count; ++t) {
-    std::uint16_t* out = stored.get() + std::size_t(t) * d;
+    auto* out = reinterpret_cast<std::uint16_t*>(stored_rows + std::size_t(t) * stored_stride);
     for (std::size_t v = 0; v < d / 32; v += 4) {
       __m512h x0, x1, x2, x3;
       DecodeFour<Half>(state, bases[t] + offset, v, d, x0, x1, x2, x3);
@@ -470,10 +456,9 @@ HWY_NOINLINE void ValuesHalf(const float* HWY_RESTRICT probs, std::size_t stride
       _mm512_store_ph(out + 32 * (v + 2), x2);
       _mm512_store_ph(out + 32 * (v + 3), x3);
     }
-    stored_bases[std::size_t(t)] = reinterpret_cast<const std::uint8_t*>(out);
   }
-  HalfGroups<HalfStored<Half>>({}, words.data(), p_stride, rows, stored_bases.data(), 0, count, d,
-                               acc, ld, alpha, prefetch, tile_prefetch);
+  HalfGroups<HalfStored<Half>>({}, words.data(), p_stride, rows, stored_bases, 0, count, d, acc, ld,
+                               alpha, prefetch, tile_prefetch);
 }
 
 HWY_POP_ATTRIBUTES

@@ -104,14 +104,15 @@ inline bool DecodeKeyWordsOncePays(Format format) {
 // chosen: K where Q . K runs in integers on a target that reads decoded K (DecodedInt) or on the
 // bf16 dot products off the tiles for queries whose values are all bf16 values (Q mode bf16,
 // fp8, or int8 where it does not run in integers) and the decode pays, V where P . V runs on FMAs
-// (not as words, on the tiles or the dot products) and the decode pays.
+// (not as words, on the tiles or the dot products) and the decode pays, or on fp16 FMAs (into fp16
+// words there, ValuesHalf; every format it takes).
 inline void SetDecodedOnce(Format format, QMode q_mode, int rows, UnitPaths& paths) {
   const bool many = rows >= kDecodeOnceRows;
   const bool dot_words = MJOLNIR_BF16_DOT && paths.dot_scores && !paths.amx_scores && !paths.int8 &&
                          q_mode != QMode::fp32 && DecodeKeyWordsOncePays(format);
   paths.decoded_keys = many && ((MJOLNIR_INT8_DECODED_KEYS && paths.int8) || dot_words);
-  paths.decoded_values = !paths.amx_values && !paths.dot_values && !paths.half_values && many &&
-                         DecodeValuesOncePays(format);
+  paths.decoded_values = many && (paths.half_values || (!paths.amx_values && !paths.dot_values &&
+                                                        DecodeValuesOncePays(format)));
 }
 
 // Rows a unit decodes once per tile: row t at rows + t * stride, also listed in bases (what the
@@ -358,9 +359,9 @@ void ScoreHeadTile([[maybe_unused]] const UnitPaths& paths, HeadState& hs, const
 }
 
 // acc = alpha * acc + P . V over one tile for one head, on AMX tiles (value_scratch: scratch for
-// the tile's V as B tiles), the bf16 dot products (value_scratch: scratch for the tile's P pairs)
-// or fp32 FMAs (over V decoded once per tile into `decoded`'s fp32 rows where it has them);
-// prefetch_rows prefetched rows a pass.
+// the tile's V as B tiles), the bf16 dot products (value_scratch: scratch for the tile's P pairs),
+// fp16 FMAs or fp32 FMAs (over V decoded once per tile into `decoded`'s rows where it has them:
+// fp16 words or fp32); prefetch_rows prefetched rows a pass.
 template <class Decoder>
 void AccumulateHeadValues(const UnitPaths& paths, HeadState& hs, const TileRows& tile,
                           const float* HWY_RESTRICT probs, std::size_t stride,
@@ -393,7 +394,8 @@ void AccumulateHeadValues(const UnitPaths& paths, HeadState& hs, const TileRows&
 #if MJOLNIR_HALF_VALUES
     VisitHalfDecoder(it.args->cache.geometry.format, [&]<class Half>() {
       ValuesHalf<Half>(probs, stride, it.rows, tile.bases, hs.v_offset, tile.count,
-                       std::size_t(it.d), hs.acc, it.ld, hs.state.alpha, prefetcher, prefetch_rows);
+                       std::size_t(it.d), hs.acc, it.ld, hs.state.alpha, prefetcher, prefetch_rows,
+                       decoded.rows, decoded.stride, decoded.bases);
     });
 #endif
     return;
