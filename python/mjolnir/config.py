@@ -109,6 +109,9 @@ class AttnConfig:
     # flash_attn | flashinfer, and the longest uniform query of a decode step it runs (1-8).
     gpu_base: str = "flash_attn"  # MJOLNIR_ATTN_GPU_BASE
     max_qlen: int = 1  # MJOLNIR_ATTN_MAX_QLEN
+    # 1: decode steps planned into fixed-capacity buffers, so that vLLM may capture them in its
+    # full CUDA graphs (opt-in until it has run on a GPU inside vLLM; docs/vllm.md).
+    cuda_graphs: bool = False  # MJOLNIR_ATTN_CUDA_GRAPHS
 
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "AttnConfig":
@@ -126,6 +129,7 @@ class AttnConfig:
             on_amx=_choice(env, "MJOLNIR_ATTN_ON_AMX", ON_AMX, "vllm"),
             gpu_base=_choice(env, "MJOLNIR_ATTN_GPU_BASE", GPU_BASES, "flash_attn"),
             max_qlen=_int(env, "MJOLNIR_ATTN_MAX_QLEN", 1, 1, 8),
+            cuda_graphs=_flag(env, "MJOLNIR_ATTN_CUDA_GRAPHS", False),
         )
 
 
@@ -143,4 +147,5 @@ ENV_VARS = (
     "MJOLNIR_ATTN_ON_AMX",
     "MJOLNIR_ATTN_GPU_BASE",
     "MJOLNIR_ATTN_MAX_QLEN",
+    "MJOLNIR_ATTN_CUDA_GRAPHS",
 )

@@ -21,11 +21,20 @@ and mixed steps, validation, and every layer that does not qualify (which logs w
   device step buffer once per step (before its first layer), the kernels read vLLM's scale
   tensors where they are, and nothing waits for the device.
 
+- CUDA graphs (MJOLNIR_ATTN_CUDA_GRAPHS=1; off by default until it has run inside vLLM on a
+  GPU): the builder then declares the support of a decode-only backend (uniform single-token
+  decode, or uniform batches where MJOLNIR_ATTN_MAX_QLEN > 1), and plans each qualifying step
+  into buffers of fixed capacity (torch.classes.mjolnir.GraphBuffers: the scheduler's
+  max_num_seqs sequences, the model's max_model_len, MJOLNIR_ATTN_MAX_SPLITS chunks), made by
+  the first eager decode step of a layer mjolnir runs from its cache's shape. The plan is
+  uploaded there in build(), which vLLM runs before every replay; a layer's attend then only
+  enqueues kernels over the capacity's fixed grids, which a full graph captures once. Without
+  it, the kernels' grids are sized to each step's plan and vLLM runs attention eagerly between
+  its graph pieces (AttentionCGSupport.NEVER).
+
 What this version does not do, and says so: it copies the step's sequence lengths and block
-table to the host once per step to plan (one synchronisation a step), and its kernels' grids are
-sized to each step's plan, so a captured graph would replay the captured step's grids: it
-declares no CUDA-graph support (vLLM then runs attention eagerly between its graph pieces). It
-has not run inside vLLM on a GPU: no GPU machine here has vLLM (docs/vllm.md).
+table to the host once per step to plan (one synchronisation a step). It has not run inside
+vLLM on a GPU: no GPU machine here has vLLM (docs/vllm.md).
 """
 
 from __future__ import annotations
@@ -115,24 +124,61 @@ class MjolnirGpuAttentionBackend(_Backend):
         return MjolnirGpuMetadataBuilder
 
 
+def cudagraph_support(config: AttnConfig, base: AttentionCGSupport) -> AttentionCGSupport:
+    """The CUDA-graph support the builder declares: none unless config.cuda_graphs; else that
+    of a backend whose graphs hold decode-only steps (uniform single-token decode, or uniform
+    batches where decode steps may have more query tokens), at most the base backend's (whose
+    kernels a captured graph holds for the layers mjolnir leaves to it)."""
+    if not config.cuda_graphs:
+        return AttentionCGSupport.NEVER
+    ours = (AttentionCGSupport.UNIFORM_BATCH if config.max_qlen > 1
+            else AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE)
+    return min(ours, base, key=lambda s: s.value)
+
+
+class GraphSlot:
+    """A builder's graph buffers, one per q_len, shared with its layers through each step's
+    metadata: made by a layer's first eager decode step (which knows the cache's shape), used
+    by the builder's later plans."""
+
+    def __init__(self, max_seqs: int, max_model_len: int) -> None:
+        self.max_seqs = max_seqs  # the scheduler's max_num_seqs
+        self.max_model_len = max_model_len
+        # q_len -> (GraphBuffers, max_rows), or None where they could not be made
+        self.buffers: dict[int, Optional[tuple[Any, int]]] = {}
+
+
 class MjolnirGpuMetadataBuilder(_Builder):
     """vLLM's metadata builder, plus the step's mjolnir plan when the step qualifies."""
 
-    # Each step's kernels are launched with grids sized to its own plan (see the module's
-    # docstring): a captured graph would replay the wrong ones.
+    # Without MJOLNIR_ATTN_CUDA_GRAPHS each step's kernels are launched with grids sized to its
+    # own plan (see the module's docstring): a captured graph would replay the wrong ones.
     _cudagraph_support = AttentionCGSupport.NEVER
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
-        return AttentionCGSupport.NEVER
+        return cudagraph_support(_CONFIG, _Builder.get_cudagraph_support(vllm_config,
+                                                                         kv_cache_spec))
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
         meta = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        slot = self._graph_slot()
         step, why = plan_decode_step(common_attn_metadata, self._mjolnir_heads(),
-                                     _CONFIG, common_prefix_len)
+                                     _CONFIG, common_prefix_len, graphs=slot)
         meta.mjolnir_step = step  # type: ignore[attr-defined]
         meta.mjolnir_skip = why  # type: ignore[attr-defined]
+        meta.mjolnir_graph_slot = slot  # type: ignore[attr-defined]
         return meta
+
+    def _graph_slot(self) -> Optional[GraphSlot]:
+        if not _CONFIG.cuda_graphs:
+            return None
+        slot = self.__dict__.get("_mjolnir_graph_slot")
+        if slot is None:
+            slot = self.__dict__["_mjolnir_graph_slot"] = GraphSlot(
+                int(self.vllm_config.scheduler_config.max_num_seqs),
+                int(self.vllm_config.model_config.max_model_len))
+        return slot
 
     def _mjolnir_heads(self) -> tuple[int, int]:
         heads = self.__dict__.get("_mjolnir_heads_cache")
@@ -144,22 +190,27 @@ class MjolnirGpuMetadataBuilder(_Builder):
         return heads
 
 
-def _step_handle(meta, step) -> tuple[int, int]:
-    """The step's query rows and id, asked once per step and kept on its metadata: each is a
-    method call of the torchbind Step, which costs more than the layer's whole host-side call
-    of attend_step (docs/python.md)."""
+def _step_handle(meta, step) -> tuple[int, int, int]:
+    """The step's query rows, id and the rows of the graph buffers it was planned into (0:
+    none), asked once per step and kept on its metadata: each is a method call of the
+    torchbind Step, which costs more than the layer's whole host-side call of attend_step
+    (docs/python.md)."""
     handle = meta.__dict__.get("mjolnir_handle")
     if handle is None or handle[0] is not step:
-        handle = (step, step.query_rows(), step.id())
+        handle = (step, step.query_rows(), step.id(), step.graph_rows())
         meta.__dict__["mjolnir_handle"] = handle
-    return handle[1], handle[2]
+    return handle[1], handle[2], handle[3]
 
 
 def plan_decode_step(common, heads: tuple[int, int], config: AttnConfig,
-                     common_prefix_len: int = 0, backend: str = "cuda"):
+                     common_prefix_len: int = 0, backend: str = "cuda",
+                     graphs: Optional[GraphSlot] = None):
     """(the step's plan, "") from vLLM's CommonAttentionMetadata when it is a uniform decode
     step mjolnir runs, else (None, why). Its sequence lengths and block table are copied to the
-    host here, once per step."""
+    host here, once per step. Where `graphs` holds buffers for the step's q_len the plan is
+    uploaded into them now (a full CUDA graph replays the layers' kernels without calling
+    them); a step that does not fit them is an error, since a replayed graph would read the
+    buffers' last plan."""
     if common_prefix_len:
         return None, "cascade attention (a common prefix)"
     causal = common.causal
@@ -172,10 +223,43 @@ def plan_decode_step(common, heads: tuple[int, int], config: AttnConfig,
     seq_lens = common.seq_lens[:num_reqs].to("cpu", torch.int32)
     block_table = common.block_table_tensor[:num_reqs].to("cpu", torch.int32)
     num_heads, num_kv_heads = heads
-    step = torch.ops.mjolnir.plan_step(seq_lens, block_table, None, q_len, num_heads,
-                                       num_kv_heads, bool(causal), config.q_dtype,
-                                       config.p_dtype, 0, 0, backend)
+    buffers = graphs.buffers.get(q_len) if graphs is not None else None
+    graph = buffers[0] if buffers is not None else None
+    try:
+        step = torch.ops.mjolnir.plan_step(seq_lens, block_table, None, q_len, num_heads,
+                                           num_kv_heads, bool(causal), config.q_dtype,
+                                           config.p_dtype, 0, 0, backend, graph)
+    except ValueError as e:
+        if graph is None:
+            raise
+        raise RuntimeError(
+            f"mjolnir: a decode step of {num_reqs} requests does not fit the CUDA-graph buffers "
+            f"({graph.describe()}): {e}. A captured graph would replay their last plan; "
+            "run without MJOLNIR_ATTN_CUDA_GRAPHS") from e
     return step, ""
+
+
+def make_graph_buffers(slot: GraphSlot, q_len: int, impl, kv_cache: torch.Tensor,
+                       config: AttnConfig) -> None:
+    """Graph buffers for steps of q_len over this layer's cache (its heads and head size, its
+    pool of pages), sized for the slot's sequences and model length, into the slot. Called from
+    a layer's eager decode step, never while a graph captures (a capture after vLLM's warm-up
+    finds them made)."""
+    block_size, num_blocks = int(kv_cache.shape[2]), int(kv_cache.shape[0])
+    max_pages = -(-slot.max_model_len // block_size)
+    try:
+        buffers = torch.classes.mjolnir.GraphBuffers(
+            slot.max_seqs, max_pages, q_len, impl.num_heads, impl.num_kv_heads, impl.head_size,
+            config.max_splits, block_size, num_blocks, kv_cache.device.index or 0)
+    except (ValueError, RuntimeError) as e:  # out of range, out of device memory
+        slot.buffers[q_len] = None
+        logger.warning("mjolnir: no CUDA-graph buffers for decode steps of %d query token(s) "
+                       "(%s); vLLM's graphs hold %s's kernels for them", q_len, e,
+                       config.gpu_base)
+        return
+    slot.buffers[q_len] = (buffers, int(buffers.max_rows()))
+    logger.info("mjolnir: decode steps of %d query token(s) planned into CUDA-graph buffers "
+                "from the next step on: %s", q_len, buffers.describe())
 
 
 class MjolnirGpuAttentionImpl(_Impl):
@@ -259,7 +343,17 @@ class MjolnirGpuAttentionImpl(_Impl):
                                    output_scale, output_block_scale)
         # The cache write stays the base backend's (its own step when
         # forward_includes_kv_cache_update is False, vLLM calls do_kv_cache_update first).
-        rows, step_id = _step_handle(attn_metadata, step)
+        rows, step_id, graph_rows = _step_handle(attn_metadata, step)
+        slot = getattr(attn_metadata, "mjolnir_graph_slot", None)
+        if graph_rows:
+            # Every row vLLM's (padded) tensors hold, up to the buffers' capacity: a graph
+            # captured now replays this call over later steps of up to that many rows.
+            rows = min(query.shape[0], graph_rows)
+        elif slot is not None and torch.cuda.is_current_stream_capturing():
+            # A plan sized to this step cannot be captured; the base backend's kernels can.
+            type(self).fallback_steps += 1
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                                   output_scale, output_block_scale)
         k_scale, v_scale = self._scales(layer, state["format"], kv_cache.device)
         try:
             _attend_step(step_id, output[:rows].view(rows, self.num_heads, self.head_size),
@@ -276,4 +370,6 @@ class MjolnirGpuAttentionImpl(_Impl):
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                    output_scale, output_block_scale)
         type(self).mjolnir_steps += 1
+        if slot is not None and not graph_rows and step.q_len() not in slot.buffers:
+            make_graph_buffers(slot, step.q_len(), self, kv_cache, _CONFIG)
         return output

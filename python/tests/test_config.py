@@ -14,7 +14,7 @@ def test_defaults():
     assert AttnConfig.from_env({}) == AttnConfig()
     c = AttnConfig()
     assert (c.disable, c.fallback, c.q_dtype, c.p_dtype, c.max_splits, c.threads, c.kv_format,
-            c.on_amx) == (False, True, "auto", "auto", 16, 0, "", "vllm")
+            c.on_amx, c.cuda_graphs) == (False, True, "auto", "auto", 16, 0, "", "vllm", False)
 
 
 def test_values():
@@ -23,11 +23,12 @@ def test_values():
            "MJOLNIR_ATTN_MAX_SPLITS": "32", "MJOLNIR_ATTN_THREADS": "3",
            "MJOLNIR_ATTN_KV_FORMAT": "FP4_E2M1", "MJOLNIR_ATTN_KV_SCALES": "s.json",
            "MJOLNIR_ATTN_KV_CALIBRATE": "yes", "MJOLNIR_ATTN_ON_AMX": "MJOLNIR",
-           "MJOLNIR_ATTN_GPU_BASE": "FlashInfer", "MJOLNIR_ATTN_MAX_QLEN": "4"}
+           "MJOLNIR_ATTN_GPU_BASE": "FlashInfer", "MJOLNIR_ATTN_MAX_QLEN": "4",
+           "MJOLNIR_ATTN_CUDA_GRAPHS": "on"}
     assert AttnConfig.from_env(env) == AttnConfig(
         disable=True, fallback=False, q_dtype="fp8", p_dtype="bf16", max_splits=32, threads=3,
         kv_format="fp4_e2m1", kv_scales="s.json", kv_calibrate="mjolnir-kv-amax.json",
-        on_amx="mjolnir", gpu_base="flashinfer", max_qlen=4)
+        on_amx="mjolnir", gpu_base="flashinfer", max_qlen=4, cuda_graphs=True)
     assert AttnConfig.from_env({"MJOLNIR_ATTN_KV_CALIBRATE": "run/a.json"}).kv_calibrate == \
         "run/a.json"
     assert AttnConfig.from_env({"MJOLNIR_ATTN_KV_CALIBRATE": "0"}).kv_calibrate == ""
@@ -45,6 +46,7 @@ def test_values():
     ("MJOLNIR_ATTN_ON_AMX", "yes", "is not one of vllm, mjolnir"),
     ("MJOLNIR_ATTN_GPU_BASE", "triton", "is not one of flash_attn, flashinfer"),
     ("MJOLNIR_ATTN_MAX_QLEN", "9", r"9 is outside \[1, 8\]"),
+    ("MJOLNIR_ATTN_CUDA_GRAPHS", "full", "is not a boolean"),
 ])
 def test_bad_values_name_the_variable(name, value, pattern):
     with pytest.raises(ValueError, match=rf"^{name}: .*{pattern}"):

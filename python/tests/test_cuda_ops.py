@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import mjolnir
-from _reference import FORMATS, LAYOUTS, attention
+from _reference import FORMATS, LAYOUTS, attention, dequantized_cache
 from test_ops import GRANULARITIES, Problem, emulator_bound, rel_err
 
 
@@ -197,3 +197,114 @@ def test_cuda_steps_share_the_step_buffer(gen):
                     p.fmt, p.layout, 0.0)
         err = rel_err(out.cpu(), ref)
         assert err < 1e-5, f"{p.seq_lens.tolist()}: relative error {err:.3g}"
+
+
+def graph_buffers(p: Problem, max_seqs: int, max_splits: int = 16):
+    """Graph buffers for steps of up to max_seqs of the problem's sequences over its cache."""
+    hq, layout = p.q.shape[1], p.layout
+    hk, page_size = p.kv_cache.shape[layout.index("H")], p.kv_cache.shape[layout.index("N")]
+    num_pages = p.kv_cache.shape[layout.index("B")]
+    return torch.classes.mjolnir.GraphBuffers(max_seqs, p.block_table.shape[1], p.q_len, hq, hk,
+                                              p.d, max_splits, page_size, num_pages,
+                                              torch.cuda.current_device())
+
+
+@pytest.mark.parametrize("fmt,layout,q_len", [("fp8_e4m3", "BHN2D", 1), ("nvfp4", "2BNHD", 1),
+                                              ("bf16", "B2NHD", 4)])
+def test_cuda_graph_replays_changing_plans(gen, fmt, layout, q_len):
+    """What vLLM's full CUDA graphs do with the GPU backend (MJOLNIR_ATTN_CUDA_GRAPHS=1): two
+    layers' attend over a step planned into graph buffers, captured once on bf16 tensors of
+    the buffers' rows, then replayed over steps of other lengths, another order of the
+    sequences' pages, fewer sequences (the rest padding) and a single token, each planned (its
+    upload) before its replay; every step's rows against the float64 reference."""
+    p = Problem(gen, fmt, layout, q_len, "head", num_seqs=6, hk=2, group=4, d=128,
+                max_len=1500)
+    k_pages, v_pages = dequantized_cache(p.kv_cache, p.layout, fmt, p.d, p.k_scale, p.v_scale)
+    cache, ks, vs = p.kv_cache.cuda(), p.k_scale.cuda().float(), p.v_scale.cuda().float()
+    buffers = graph_buffers(p, max_seqs=6)
+    assert buffers.max_rows() == 6 * q_len and "6 sequences" in buffers.describe()
+    hq, rows = p.q.shape[1], 6 * q_len
+    layers = 2
+    q_static = torch.zeros(layers, rows, hq, p.d, dtype=torch.bfloat16, device="cuda")
+    o_static = torch.zeros(layers, rows, hq, p.d, dtype=torch.bfloat16, device="cuda")
+
+    def plan(lens, table):
+        return torch.ops.mjolnir.plan_step(lens, table, None, q_len, hq, 2, True, "fp32",
+                                           "fp32", 0, 0, "cuda", buffers)
+
+    def attend_layers(step):
+        for layer in range(layers):
+            step.attend(o_static[layer], q_static[layer], cache, ks, vs, fmt, layout, 0.0)
+
+    def check(lens, table, what):
+        n = lens.numel() * q_len
+        for layer in range(layers):
+            q = q_static[layer, :n].float().cpu()
+            ref = attention(q, k_pages, v_pages, table, lens, q_len)
+            err = rel_err(o_static[layer, :n].float().cpu(), ref)
+            assert err < 1e-2, f"{fmt} {what}, layer {layer}: relative error {err:.3g}"
+
+    def new_queries():
+        q_static.copy_(torch.randn(q_static.shape, generator=gen).to(torch.bfloat16))
+
+    # The first step, run eagerly (vLLM warms up before it captures), then captured.
+    new_queries()
+    step = plan(p.seq_lens, p.block_table)
+    assert step.graph_rows() == rows and step.q_len() == q_len
+    attend_layers(step)
+    torch.cuda.synchronize()
+    check(p.seq_lens, p.block_table, "eager")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        attend_layers(step)
+
+    order = torch.randperm(6, generator=gen)
+    shorter = torch.stack([torch.randint(q_len, int(n) + 1, (), generator=gen)
+                           for n in p.seq_lens]).to(torch.int32)
+    steps = [
+        ("shorter, reordered", shorter[order], p.block_table[order]),
+        ("3 of 6 sequences", p.seq_lens[[5, 0, 2]], p.block_table[[5, 0, 2]]),
+        ("one sequence of q_len tokens", torch.tensor([q_len], dtype=torch.int32),
+         p.block_table[[3]]),
+        ("the captured step again", p.seq_lens, p.block_table),
+    ]
+    for what, lens, table in steps:
+        new_queries()
+        o_static.fill_(float("nan"))
+        step = plan(lens.contiguous(), table.contiguous())  # uploads on the current stream
+        graph.replay()
+        torch.cuda.synchronize()
+        check(lens, table, what)
+
+
+def test_cuda_graph_buffers_refuse_what_a_graph_cannot_replay(gen):
+    """A step that does not fit the buffers, host scales (a graph cannot re-read host memory),
+    more query rows than the buffers hold, and a plan made while the stream captures: each a
+    ValueError naming what is wrong."""
+    p = Problem(gen, "fp8_e4m3", "BHN2D", 1, "head", num_seqs=4, hk=2, group=4, d=128,
+                max_len=400)
+    hq = p.q.shape[1]
+    buffers = graph_buffers(p, max_seqs=2)
+
+    def plan(lens, table, q_len=1):
+        return torch.ops.mjolnir.plan_step(lens, table, None, q_len, hq, 2, True, "fp32",
+                                           "fp32", 0, 0, "cuda", buffers)
+
+    with pytest.raises(ValueError, match="sequences exceed the step capacity of 2"):
+        plan(p.seq_lens, p.block_table)
+    with pytest.raises(ValueError, match="made for steps of q_len 1"):
+        plan(p.seq_lens[:2], p.block_table[:2], q_len=2)
+    step = plan(p.seq_lens[:2], p.block_table[:2])
+    cache = p.kv_cache.cuda()
+    q = p.q[:2].cuda()
+    out = torch.empty_like(q)
+    with pytest.raises(ValueError, match="k_scale: .* graph buffers takes"):
+        step.attend(out, q, cache, p.k_scale, p.v_scale.cuda(), p.fmt, p.layout, 0.0)
+    too_many = torch.zeros(3, hq, p.d, device="cuda")
+    with pytest.raises(ValueError, match="hold at most 2 rows"):
+        step.attend(torch.empty_like(too_many), too_many, cache, p.k_scale.cuda(),
+                    p.v_scale.cuda(), p.fmt, p.layout, 0.0)
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(ValueError, match="capturing a CUDA graph"):
+        with torch.cuda.graph(graph):
+            plan(p.seq_lens[:2], p.block_table[:2])

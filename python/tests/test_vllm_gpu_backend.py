@@ -250,3 +250,91 @@ def test_scales_stay_where_the_cache_is():
     assert impl._scales(wrong_dtype, "fp8_e4m3", device)[0].tolist() == [0.5]
     ks, vs = make_impl()._scales(types.SimpleNamespace(), "bf16", device)
     assert ks.tolist() == [1.0] and vs.tolist() == [1.0] and ks.device == device
+
+
+def test_cuda_graph_support_is_declared_only_when_asked():
+    """MJOLNIR_ATTN_CUDA_GRAPHS off: no support (each step's grids are its plan's). On: a
+    decode-only backend's, uniform batches where decode steps may have several query tokens,
+    never more than the base backend's."""
+    from vllm.v1.attention.backend import AttentionCGSupport as CG
+    on = AttnConfig(cuda_graphs=True)
+    assert gpu.cudagraph_support(AttnConfig(), CG.ALWAYS) == CG.NEVER
+    assert gpu.cudagraph_support(on, CG.ALWAYS) == CG.UNIFORM_SINGLE_TOKEN_DECODE
+    assert gpu.cudagraph_support(AttnConfig(cuda_graphs=True, max_qlen=3), CG.ALWAYS) == \
+        CG.UNIFORM_BATCH
+    assert gpu.cudagraph_support(AttnConfig(cuda_graphs=True, max_qlen=3),
+                                 CG.UNIFORM_SINGLE_TOKEN_DECODE) == CG.UNIFORM_SINGLE_TOKEN_DECODE
+    assert gpu.cudagraph_support(on, CG.NEVER) == CG.NEVER
+
+
+def test_graph_buffers_need_the_cuda_backend_and_a_device():
+    if mjolnir.has_cuda and torch.cuda.is_available():
+        pytest.skip("a GPU is visible (test_cuda_ops.py tests the graph buffers on it)")
+    missing = "no CUDA device is visible" if mjolnir.has_cuda else \
+        "this build of mjolnir has no CUDA backend"
+    with pytest.raises(ValueError, match=f"GraphBuffers: {missing}"):
+        torch.classes.mjolnir.GraphBuffers(4, 8, 1, 8, 2, 128, 16, 16, 64, 0)
+
+
+def test_graph_buffers_come_from_the_first_eager_step(gen, monkeypatch, caplog):
+    """With MJOLNIR_ATTN_CUDA_GRAPHS the builder's slot gets graph buffers from a layer's first
+    eager decode step: sized from the slot (vLLM's max_num_seqs and max_model_len) and that
+    layer's cache and heads, made once per q_len. While a graph captures, a step that was not
+    planned into them goes to the base backend, whose kernels the graph can hold. Buffers that
+    cannot be made are remembered as such, and steps stay eager."""
+    calls = []
+    monkeypatch.setattr(gpu._Impl, "forward", lambda self, *a, **k: calls.append("base"))
+    made = []
+
+    class FakeBuffers:
+        def __init__(self, *args):
+            made.append(args)
+            self.args = args
+
+        def max_rows(self):
+            return self.args[0] * self.args[2]
+
+        def describe(self):
+            return "fake buffers"
+
+    monkeypatch.setattr(torch.classes.mjolnir, "GraphBuffers", FakeBuffers)
+    hk, d, block = 2, 128, 16
+    cache = vllm_gpu_cache(gen, "bf16", 6, hk, block, d)
+    cache.normal_(generator=gen)
+    table = torch.tensor([[4, 1], [0, 5]], dtype=torch.int32)
+    slot = gpu.GraphSlot(max_seqs=4, max_model_len=100)
+    step, _ = gpu.plan_decode_step(common_metadata([20, 9], 1, table), (8, hk),
+                                   AttnConfig(q_dtype="fp32", p_dtype="fp32"), backend="cpu",
+                                   graphs=slot)
+    assert step.graph_rows() == 0  # no buffers yet: planned for itself
+    meta = types.SimpleNamespace(mjolnir_step=step, mjolnir_graph_slot=slot)
+    impl, layer = make_impl(), types.SimpleNamespace()
+    q, out = torch.randn(2, 8, d, generator=gen), torch.zeros(2, 8 * d)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    impl.forward(layer, q, None, None, cache, meta, out)
+    assert calls == ["base"] and made == []
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    with caplog.at_level("INFO", logger="vllm.mjolnir"):
+        impl.forward(layer, q, None, None, cache, meta, out)
+        impl.forward(layer, q, None, None, cache, meta, out)
+    assert calls == ["base"]
+    # max_seqs, pages of max_model_len, q_len, Hq, Hk, D, max_splits, block size, pool, device
+    assert made == [(4, 7, 1, 8, 2, 128, 16, 16, 6, 0)]
+    assert set(slot.buffers) == {1} and slot.buffers[1][1] == 4
+    assert "CUDA-graph buffers" in caplog.text and "fake buffers" in caplog.text
+
+    # Buffers that cannot be made: a warning, once; later steps plan for themselves.
+    def refuse(*args):
+        raise ValueError("max_seqs: 0 is outside [1, 65536]")
+    monkeypatch.setattr(torch.classes.mjolnir, "GraphBuffers", refuse)
+    slot = gpu.GraphSlot(max_seqs=0, max_model_len=100)
+    meta = types.SimpleNamespace(mjolnir_step=step, mjolnir_graph_slot=slot)
+    with caplog.at_level("WARNING", logger="vllm.mjolnir"):
+        impl.forward(layer, q, None, None, cache, meta, out)
+        impl.forward(layer, q, None, None, cache, meta, out)
+    assert slot.buffers == {1: None}
+    assert caplog.text.count("no CUDA-graph buffers") == 1
+    again, _ = gpu.plan_decode_step(common_metadata([20, 9], 1, table), (8, hk),
+                                    AttnConfig(q_dtype="fp32", p_dtype="fp32"), backend="cpu",
+                                    graphs=slot)
+    assert again.graph_rows() == 0

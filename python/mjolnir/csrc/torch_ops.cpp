@@ -12,6 +12,11 @@
 //   attend(step, output!, q, kv_cache, k_scale, v_scale, kv_format, layout, softmax_scale)
 //                                               that plan run for one layer: no planning, no
 //                                               allocation
+//   plan_step(..., graph=torch.classes.mjolnir.GraphBuffers(...))
+//                                               the plan uploaded into buffers of fixed
+//                                               capacity, so that a CUDA graph can capture a
+//                                               layer's attend once and replay it over later
+//                                               steps (graph_buffers.h)
 // Tensors are taken as vLLM lays them out (docs/python.md); every check lives in
 // tensor_views.cpp or in the library, and names the op's argument.
 #include <ATen/core/Tensor.h>
@@ -31,6 +36,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "graph_buffers.h"
 #include "mjolnir/decode.h"
 #include "mjolnir/error.h"
 #include "mjolnir/plan.h"
@@ -51,6 +57,7 @@ namespace mjolnir::python {
 namespace {
 
 using OptionalTensor = std::optional<at::Tensor>;
+using OptionalGraph = std::optional<c10::intrusive_ptr<GraphBuffers>>;
 
 // Host buffers of recent steps' workspaces: a step's plan lives for one engine step, and a
 // fresh allocation of megabytes every step would page-fault its way in each time.
@@ -471,7 +478,7 @@ class Step final : public torch::CustomClassHolder {
   Step(const at::Tensor& seq_lens, const at::Tensor& block_table, const OptionalTensor& query_start,
        std::int64_t q_len, std::int64_t num_q_heads, std::int64_t num_kv_heads, bool causal,
        const std::string& q_mode, const std::string& p_mode, std::int64_t max_splits,
-       std::int64_t threads, const std::string& backend)
+       std::int64_t threads, const std::string& backend, const OptionalGraph& graph)
       : tensors_(step_tensors(block_table, seq_lens, query_start)),
         params_(decode_params(query_start.has_value() ? 0 : q_len, num_q_heads, causal, 0.0,
                               q_mode == "auto" ? "fp32" : q_mode,
@@ -479,7 +486,8 @@ class Step final : public torch::CustomClassHolder {
         q_auto_(q_mode == "auto"),
         p_auto_(p_mode == "auto"),
         device_(backend == "cuda" ? at::Device(at::kCUDA) : at::Device(at::kCPU)),
-        backend_(&backend_for(device_, backend, threads)) {
+        backend_(&backend_for(device_, backend, threads)),
+        graph_(graph.value_or(nullptr)) {
     if (query_start.has_value() && q_len != 0) {
       raise_value_error("q_len: " + std::to_string(q_len) +
                         " with query_start given; a ragged step takes its query lengths from "
@@ -490,6 +498,7 @@ class Step final : public torch::CustomClassHolder {
                         " is not a positive multiple of num_kv_heads " +
                         std::to_string(num_kv_heads));
     }
+    if (graph_) check_graph(query_start.has_value(), q_len, num_q_heads, num_kv_heads);
     batch_ = tensors_.batch();
     const StepShape shape{batch_.seq_lens, batch_.query_start, params_.q_len, int(num_kv_heads),
                           causal};
@@ -498,11 +507,14 @@ class Step final : public torch::CustomClassHolder {
     options.wave_workers = backend_->wave_workers();
     options.max_splits = int(max_splits);
     with_op_errors([&] {
-      const int cap = effective_max_splits(options, shape.num_seqs(), shape.num_kv_heads);
+      int cap = effective_max_splits(options, shape.num_seqs(), shape.num_kv_heads);
+      if (graph_ && cap >= 0) cap = int(std::min<std::int64_t>(cap, graph_->max_splits()));
       if (cap >= 0) options.max_splits = cap;
       plan_ = BackendPlan(capacity_for(shape, options));
       backend_->plan(plan_, shape, options);
     });
+    // Into the graph buffers now, before any layer: a replayed graph runs no layer's call.
+    if (graph_) graph_->upload(batch_, plan_.plan());
     rows_ = shape.query_start.empty() ? std::int64_t(shape.num_seqs()) * params_.q_len
                                       : std::int64_t(shape.query_start.back());
     const int g = int(num_q_heads / num_kv_heads);
@@ -534,16 +546,9 @@ class Step final : public torch::CustomClassHolder {
     }
     const std::int64_t head_dim = q.size(2);
     check_head_dim(head_dim, "q");
-    if (rows_ == 0) return;
+    if (rows_ == 0 && !graph_) return;
     const CacheTensor cache = cache_tensor(kv_cache, kv_format, layout, int(head_dim), k_scale,
                                            v_scale, /*leave_device_scales=*/q.is_cuda());
-    // Only the step's rows: vLLM pads its query and output tensors past them. The step keeps
-    // its conversion buffers for every layer (a prompt's rows are tens of MiB: allocating them
-    // per layer cost their page faults each time), and frees them with itself.
-    RowScratch& scratch = scratch_;
-    const bool bf16_ok = backend_->takes_rows(RowType::bf16);
-    const LibraryRows q_rows = rows_in(q, rows_, scratch.q, bf16_ok);
-    const LibraryRows o_rows = rows_out(output, rows_, scratch.o, bf16_ok);
     DecodeParams params = params_;
     params.softmax_scale = float(softmax_scale);
     if (q_auto_ || p_auto_) {  // the backend's choice for this layer's format and queries
@@ -552,6 +557,19 @@ class Step final : public torch::CustomClassHolder {
       if (q_auto_) params.q_mode = modes.q_mode;
       if (p_auto_) params.p_mode = modes.p_mode;
     }
+    if (graph_) {
+      // Every row q holds, not only this step's: a graph captured now replays this call over
+      // later steps of up to that many rows (vLLM pads a captured batch's tensors to its size).
+      graph_->enqueue(output, q, cache.view, params, k_scale, v_scale);
+      return;
+    }
+    // Only the step's rows: vLLM pads its query and output tensors past them. The step keeps
+    // its conversion buffers for every layer (a prompt's rows are tens of MiB: allocating them
+    // per layer cost their page faults each time), and frees them with itself.
+    RowScratch& scratch = scratch_;
+    const bool bf16_ok = backend_->takes_rows(RowType::bf16);
+    const LibraryRows q_rows = rows_in(q, rows_, scratch.q, bf16_ok);
+    const LibraryRows o_rows = rows_out(output, rows_, scratch.o, bf16_ok);
     const DecodeArgs args = decode_args(cache.view, batch_, params, q_rows, o_rows);
     with_op_errors([&] {
       validate(args);
@@ -600,6 +618,11 @@ class Step final : public torch::CustomClassHolder {
     return std::string(to_string(modes.q_mode)) + "," + std::string(to_string(modes.p_mode));
   }
   std::int64_t workers() const { return backend_->workers(); }
+  // Query tokens per sequence (0: a ragged step).
+  std::int64_t q_len() const { return params_.q_len; }
+  // The query rows of the graph buffers the step was planned into (plan_step's `graph`), which
+  // each layer's attend runs over; 0 when it was not.
+  std::int64_t graph_rows() const { return graph_ ? graph_->max_rows() : 0; }
   std::int64_t query_rows() const { return rows_; }
   // The handle attend_step takes: unique in the process, never reused.
   std::int64_t id() const { return id_; }
@@ -618,7 +641,29 @@ class Step final : public torch::CustomClassHolder {
   std::size_t workspace_capacity_ = 0;
   RowScratch scratch_;   // q and o rows converted to float32, reused by every layer
   DeviceUpload upload_;  // a device step: where its plan was uploaded (SharedDeviceSteps)
+  c10::intrusive_ptr<GraphBuffers> graph_;  // or null: the buffers its plan was uploaded into
   const std::int64_t id_ = next_step_id();
+
+  // A step planned into graph buffers runs their capacity's fixed kernels: one uniform decode
+  // step of the buffers' q_len and heads, on the CUDA backend.
+  void check_graph(bool ragged, std::int64_t q_len, std::int64_t num_q_heads,
+                   std::int64_t num_kv_heads) const {
+    if (!device_.is_cuda()) {
+      raise_value_error("graph: graph buffers are for the cuda backend, the step is planned for " +
+                        std::string(backend_->name()));
+    }
+    if (ragged || q_len != graph_->q_len()) {
+      raise_value_error("q_len: " + std::string(ragged ? "a ragged step" : std::to_string(q_len)) +
+                        ", but the graph buffers were made for steps of q_len " +
+                        std::to_string(graph_->q_len()));
+    }
+    if (num_q_heads != graph_->num_q_heads() || num_kv_heads != graph_->num_kv_heads()) {
+      raise_value_error("num_q_heads: " + std::to_string(num_q_heads) + " with " +
+                        std::to_string(num_kv_heads) + " KV heads, but the graph buffers " +
+                        "were made for " + std::to_string(graph_->num_q_heads()) + " with " +
+                        std::to_string(graph_->num_kv_heads()));
+    }
+  }
 
   static std::int64_t next_step_id() {
     static std::atomic<std::int64_t> next{1};
@@ -678,10 +723,10 @@ c10::intrusive_ptr<Step> plan_step(const at::Tensor& seq_lens, const at::Tensor&
                                    std::int64_t num_q_heads, std::int64_t num_kv_heads, bool causal,
                                    const std::string& q_mode, const std::string& p_mode,
                                    std::int64_t max_splits, std::int64_t threads,
-                                   const std::string& backend) {
-  auto step =
-      c10::make_intrusive<Step>(seq_lens, block_table, query_start, q_len, num_q_heads,
-                                num_kv_heads, causal, q_mode, p_mode, max_splits, threads, backend);
+                                   const std::string& backend, const OptionalGraph& graph) {
+  auto step = c10::make_intrusive<Step>(seq_lens, block_table, query_start, q_len, num_q_heads,
+                                        num_kv_heads, causal, q_mode, p_mode, max_splits, threads,
+                                        backend, graph);
   StepRegistry::instance().add(step);
   return step;
 }
@@ -774,6 +819,13 @@ void write_kv_meta(const at::Tensor& key, const at::Tensor& value, at::Tensor kv
 
 TORCH_LIBRARY(mjolnir, m) {
   using namespace mjolnir::python;
+  m.class_<GraphBuffers>("GraphBuffers")
+      .def(torch::init<std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t,
+                       std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t>())
+      .def("describe", &GraphBuffers::describe)
+      .def("q_len", &GraphBuffers::q_len)
+      .def("max_rows", &GraphBuffers::max_rows)
+      .def("max_splits", &GraphBuffers::max_splits);
   m.class_<Step>("Step")
       .def("attend", &Step::attend_method)
       .def("num_items", &Step::num_items)
@@ -781,6 +833,8 @@ TORCH_LIBRARY(mjolnir, m) {
       .def("modes_for", &Step::modes_for)
       .def("workers", &Step::workers)
       .def("query_rows", &Step::query_rows)
+      .def("q_len", &Step::q_len)
+      .def("graph_rows", &Step::graph_rows)
       .def("id", &Step::id);
   m.def(
       "write_kv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping, "
@@ -796,7 +850,8 @@ TORCH_LIBRARY(mjolnir, m) {
   m.def(
       "plan_step(Tensor seq_lens, Tensor block_table, Tensor? query_start, int q_len, "
       "int num_q_heads, int num_kv_heads, bool causal=True, str q_mode=\"fp32\", "
-      "str p_mode=\"fp32\", int max_splits=0, int threads=0, str backend=\"cpu\") -> "
+      "str p_mode=\"fp32\", int max_splits=0, int threads=0, str backend=\"cpu\", "
+      "__torch__.torch.classes.mjolnir.GraphBuffers? graph=None) -> "
       "__torch__.torch.classes.mjolnir.Step",
       &plan_step);
   m.def(
