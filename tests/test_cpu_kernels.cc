@@ -984,7 +984,7 @@ TEST(CpuBf16Dot, ValuesMatchEmulator) {
 }
 
 // Every item's token range is covered exactly once by the units, and token parts merge back.
-// P mode fp16 (docs/numerics.md): where the CPU has AVX512-FP16, fp4_e2m1, nvfp4, fp6 and fp8_e4m3
+// P mode fp16 (docs/numerics.md): where the CPU has AVX512-FP16, fp4_e2m1, nvfp4, fp6 and fp8
 // with D a multiple of 128 run P . V on fp16 FMAs (cpu/half_values-inl.h) and sum each group of 32
 // keys in fp16 as the emulator does, so they match it up to P codes that round the other way (rare:
 // the median case within 1e-4, where summing the same fp16 P in fp32, as D 64 does, differs by 5e-4
@@ -1017,8 +1017,8 @@ TEST(CpuHalfValues, MatchEmulator) {
   std::mt19937_64 rng(mjolnir::testing::test_seed() + 47);
   const int shapes[][2] = {{1, 1}, {4, 1}, {3, 2}, {8, 1}, {4, 4}, {5, 3}, {8, 4}};
   int index = 0;
-  for (const Format format :
-       {Format::fp4_e2m1, Format::nvfp4, Format::fp6_e2m3, Format::fp6_e3m2, Format::fp8_e4m3}) {
+  for (const Format format : {Format::fp4_e2m1, Format::nvfp4, Format::fp6_e2m3, Format::fp6_e3m2,
+                              Format::fp8_e4m3, Format::fp8_e5m2}) {
     for (const int d : {64, 128, 256}) {
       for (const auto [g, q_len] : shapes) {
         verify::Case c = QkCase(format, d, g, q_len, index, rng());
@@ -1034,6 +1034,7 @@ TEST(CpuHalfValues, MatchEmulator) {
     check(RaggedCase(format, QMode::int8, PMode::fp16, rng));
   }
   check(RaggedCase(Format::fp8_e4m3, QMode::bf16, PMode::fp16, rng));
+  check(RaggedCase(Format::fp8_e5m2, QMode::fp32, PMode::fp16, rng));
   ASSERT_FALSE(path_errors.empty());
   std::nth_element(path_errors.begin(), path_errors.begin() + path_errors.size() / 2,
                    path_errors.end());

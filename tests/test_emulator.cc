@@ -169,6 +169,29 @@ TEST(Emulator, Fp16ProbabilitiesSumInFp16PerGroupOf32Keys) {
   EXPECT_FLOAT_EQ(single.o[1], 1.0f);
 }
 
+TEST(Emulator, Fp16ProbabilitiesSumE5M2ValuesAtAScaleFp16Holds) {
+  // 32 keys with equal scores (q = 0): p = 1 each. Channel 0 of V: 57344, e5m2's largest value,
+  // for every key: summed as it is, fp16 would overflow at the second key (114688 > 65504); at
+  // half_sum_scale 2^-8 each is 224 and the 32 sum to 7168 exactly, so O = 57344. Channel 1: 0.5
+  // for the first key, 2^-16 (e5m2's smallest) for the other 31: scaled, 2^-9 + 2^-24 rounds back
+  // to 2^-9 (2^-24 is a quarter of fp16's spacing there, 2^-19) every time, so O = 0.5 / 32,
+  // where P fp32 keeps them: (0.5 + 31 * 2^-16) / 32.
+  std::vector<std::vector<float>> k(32, basis(0, 1.0f)), v(32, basis(0, 57344.0f));
+  for (auto& row : v) row[1] = 0x1p-16f;
+  v[0][1] = 0.5f;
+  TinyCache cache(k, v, Format::fp8_e5m2);
+  DecodeParams params;
+  params.p_mode = PMode::fp16;
+  const std::vector<float> q(kD, 0.0f);
+  const Outputs half = run("reference", cache, q, 1, true, params);
+  EXPECT_FLOAT_EQ(half.o[0], 57344.0f);
+  EXPECT_FLOAT_EQ(half.o[1], 0.5f / 32);
+  params.p_mode = PMode::fp32;
+  const Outputs single = run("reference", cache, q, 1, true, params);
+  EXPECT_FLOAT_EQ(single.o[0], 57344.0f);
+  EXPECT_FLOAT_EQ(single.o[1], (0.5f + 31 * 0x1p-16f) / 32);
+}
+
 TEST(Emulator, Fp8QueryCodesPerSequenceAndHead) {
   // amax 896 -> sq = 896 / 448 = 2; q / sq = 448, 0.5, 1.65 -> e4m3 448, 0.5, 1.625.
   TinyCache cache({basis(0, 1.0f)}, {basis(0, 1.0f)});

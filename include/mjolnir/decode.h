@@ -30,11 +30,12 @@ enum class QMode : std::uint8_t { fp32, bf16, fp8, int8 };
 enum class PMode : std::uint8_t { fp32, bf16, fp8, fp16 };
 // Keys a group of P mode fp16 sums in fp16, counted from each tile's first.
 inline constexpr int kHalfGroupKeys = 32;
-// Whether P mode fp16 takes this format's values (fp8_e4m3, fp6, fp4_e2m1, nvfp4: every value,
-// nvfp4's at 2^-4, is an fp16 whose kHalfGroupKeys-fold sum stays below fp16's 65504).
+// Whether P mode fp16 takes this format's values (fp8, fp6, fp4_e2m1, nvfp4: every value, nvfp4's
+// at 2^-4 and e5m2's at 2^-8, is an fp16 whose kHalfGroupKeys-fold sum stays below fp16's 65504).
 bool half_sums_take(Format format);
 // The power of two P mode fp16 multiplies a format's values by before its fp16 sums (and divides
-// each group's sum by after): 2^-4 for nvfp4, whose values reach 2688, else 1.
+// each group's sum by after): 2^-4 for nvfp4, whose values reach 2688, 2^-8 for fp8_e5m2, whose
+// values reach 57344, else 1.
 float half_sum_scale(Format format);
 std::string_view to_string(QMode mode);
 std::string_view to_string(PMode mode);

@@ -43,20 +43,28 @@ std::string_view to_string(PMode mode) {
 bool half_sums_take(Format format) {
   switch (format) {
     case Format::fp8_e4m3:
+    case Format::fp8_e5m2:  // at half_sum_scale 2^-8
     case Format::fp6_e2m3:
     case Format::fp6_e3m2:
     case Format::fp4_e2m1:
     case Format::nvfp4:
       return true;
     case Format::bf16:  // values fp16 cannot hold (range, or 8-bit exponent)
-    case Format::fp16:  // values up to 65504: a sum of two can overflow
-    case Format::fp8_e5m2:
+    case Format::fp16:  // values up to 65504: a sum of two can overflow, and a smaller scale
+                        // would push its subnormals below fp16's
       return false;
   }
   return false;
 }
 
-float half_sum_scale(Format format) { return format == Format::nvfp4 ? 0.0625f : 1.0f; }
+float half_sum_scale(Format format) {
+  // nvfp4's values reach 2688 and e5m2's 57344: scaled, 32 keys' sums stay far below fp16's
+  // 65504, and every scaled value is still an fp16 (e5m2's smallest, 2^-16, becomes fp16's
+  // smallest subnormal, 2^-24).
+  if (format == Format::nvfp4) return 0x1p-4f;
+  if (format == Format::fp8_e5m2) return 0x1p-8f;
+  return 1.0f;
+}
 
 QMode parse_q_mode(std::string_view name) {
   for (QMode m : {QMode::fp32, QMode::bf16, QMode::fp8, QMode::int8}) {
@@ -104,8 +112,8 @@ void validate(const DecodeArgs& args) {
                   "params.p_mode: ", static_cast<int>(p.p_mode),
                   " is not a P mode (fp32 0, bf16 1, fp8 2, fp16 3)");
   MJOLNIR_REQUIRE(p.p_mode != PMode::fp16 || half_sums_take(geo.format),
-                  "p_mode: fp16 sums values in fp16, which takes fp8_e4m3, fp6_e2m3, fp6_e3m2, "
-                  "fp4_e2m1 and nvfp4 caches, not ",
+                  "p_mode: fp16 sums values in fp16, which takes fp8_e4m3, fp8_e5m2, fp6_e2m3, "
+                  "fp6_e3m2, fp4_e2m1 and nvfp4 caches, not ",
                   to_string(geo.format), " (use fp32 or bf16)");
   MJOLNIR_REQUIRE(std::isfinite(p.softmax_scale) && p.softmax_scale >= 0,
                   "softmax_scale: ", p.softmax_scale, " must be finite and >= 0 (0 = 1/sqrt(D))");

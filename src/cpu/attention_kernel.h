@@ -86,13 +86,14 @@ bool cpu_has_int8_dot();
 bool int8_dot_applies(Format format, int head_dim);
 // Whether steps of this format and head size run P . V on fp16 FMAs in P mode fp16
 // (cpu/half_values-inl.h): D a multiple of 128, and the dispatched target decodes the format into
-// fp16 words on a CPU with AVX512-FP16 (AVX3_DL: fp4_e2m1, nvfp4, fp6, fp8_e4m3). Elsewhere P mode
+// fp16 words on a CPU with AVX512-FP16 (AVX3_DL: fp4_e2m1, nvfp4, fp6, fp8). Elsewhere P mode
 // fp16 sums its fp16 P on fp32 FMAs. Where it applies, the auto modes put P in fp16 for every step
 // the AMX tiles do not take: kernel_rates, one thread, P fp16 against P fp32 at the auto Q mode
 // (8-row blocks from 8 rows, V decoded into fp16 words once per tile from 16;
 // docs/cpu-experiments.md, "P . V on AVX512-FP16 FMAs"), at 4 / 8 / 16 rows: fp4_e2m1 0.92x /
 // 0.87x / 0.87x, nvfp4 0.91x / 0.85x / 0.91x, fp8_e4m3 0.83x / 0.86x / 0.90x, fp6_e2m3 0.83x /
-// 0.79x / 0.86x, fp6_e3m2 0.88x / 0.90x / 0.91x; prompts (128 rows) 0.77-0.89x.
+// 0.79x / 0.86x, fp6_e3m2 0.88x / 0.90x / 0.91x; prompts (128 rows) 0.77-0.89x. fp8_e5m2 (added
+// later, 5 repetitions): 0.89x / 0.87x / 0.90x, prompts 0.90x.
 bool half_values_apply(Format format, int head_dim);
 // Which rows a work unit of `rows` query rows (g x q_len) decodes once per KV tile on the
 // dispatched target, with P in fp32 and no AMX tiles, instead of once per block of 4 or 8 query

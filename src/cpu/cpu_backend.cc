@@ -92,7 +92,7 @@ class CpuBackend final : public Backend {
   // int8 where Q . K then runs in integers (fp4_e2m1, fp6_e2m3, nvfp4 on VNNI, AVX2 and Arm's
   // sdot, below the AMX tiles' rows): 1.26-1.36x faster decode steps on VNNI, error 1.00-1.06x of
   // fp32 Q's (docs/cpu-experiments.md, docs/accuracy.md). P in fp16 where P . V then runs on fp16
-  // FMAs (AVX512-FP16: fp4_e2m1, nvfp4, fp6, fp8_e4m3; every step the tiles do not take), where
+  // FMAs (AVX512-FP16: fp4_e2m1, nvfp4, fp6, fp8; every step the tiles do not take), where
   // it took 0.77-0.92x of P fp32's time (half_values_apply; docs/cpu-experiments.md).
   NumericsModes auto_modes(const CacheGeometry& geometry, int max_tile_rows,
                            bool bf16_queries) const override {

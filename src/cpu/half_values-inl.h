@@ -1,13 +1,14 @@
 // P . V on AVX512-FP16's fp16 FMAs, for P mode fp16 (docs/numerics.md): a vfmadd231ph does 32
 // multiply-adds for the cost of one fp32 FMA's 16, and at a decode step's 4 query rows P . V is
-// most of the kernel. V's codes are looked up as fp16 words (every e2m1, fp6 and e4m3 value, and
-// every nvfp4 value times 2^-4, is an fp16), each key's 4 rows x 128 channels take 16 fp16 FMAs
-// against 32 fp32 FMAs and 8 fp32 decodes, and the products of each group of kHalfGroupKeys keys of
-// the tile are summed in fp16 in key order, as the emulator sums them, then added into the fp32
-// accumulators (times 16 for nvfp4). docs/cpu-experiments.md, "P . V on AVX512-FP16 FMAs".
-// AVX3_DL target, on CPUs with AVX512-FP16 (Intel since Sapphire Rapids), fp4_e2m1, nvfp4, fp6 and
-// fp8_e4m3, D a multiple of 128; elsewhere P mode fp16 sums its fp16 P on the fp32 FMAs
-// (fma_values-inl.h). Per-target header, see kv_decode-inl.h.
+// most of the kernel. V's codes are looked up as fp16 words (every e2m1, fp6 and e4m3 value, every
+// nvfp4 value times 2^-4 and every e5m2 value times 2^-8 is an fp16), each key's 4 rows x 128
+// channels take 16 fp16 FMAs against 32 fp32 FMAs and 8 fp32 decodes, and the products of each
+// group of kHalfGroupKeys keys of the tile are summed in fp16 in key order, as the emulator sums
+// them, then added into the fp32 accumulators (times 16 for nvfp4, 256 for e5m2).
+// docs/cpu-experiments.md, "P . V on AVX512-FP16 FMAs". AVX3_DL target, on CPUs with AVX512-FP16
+// (Intel since Sapphire Rapids), fp4_e2m1, nvfp4, fp6 and fp8, D a multiple of 128; elsewhere P
+// mode fp16 sums its fp16 P on the fp32 FMAs (fma_values-inl.h). Per-target header, see
+// kv_decode-inl.h.
 
 #if defined(MJOLNIR_CPU_HALF_VALUES_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef MJOLNIR_CPU_HALF_VALUES_INL_H_
@@ -48,7 +49,7 @@ inline bool CpuHasHalfFma() {
 // The formats with a decoder into fp16 words below.
 inline bool HasHalfDecoder(Format format) {
   return format == Format::fp4_e2m1 || format == Format::nvfp4 || format == Format::fp6_e2m3 ||
-         format == Format::fp6_e3m2 || format == Format::fp8_e4m3;
+         format == Format::fp6_e3m2 || format == Format::fp8_e4m3 || format == Format::fp8_e5m2;
 }
 
 HWY_PUSH_ATTRIBUTES("avx512fp16")
@@ -202,6 +203,26 @@ struct HalfE4M3 {
     Lookup::Decode(s, row, chunk, w0, w1);
     x0 = _mm512_castsi512_ph(w0.raw);
     x1 = _mm512_castsi512_ph(w1.raw);
+  }
+};
+
+// fp8 e5m2: a code is the high byte of its value's fp16, so two byte unpacks against zero make
+// the words (in DotFp8's order, which the fp32 accumulators keep as for e4m3), and one exact fp16
+// multiply a vector scales them by half_sum_scale's 2^-8 (every e5m2 value times 2^-8 is an fp16,
+// 2^-16 becoming fp16's smallest subnormal): 4 ops per 64 channels. Inf and NaN codes stay so.
+struct HalfE5M2 {
+  static constexpr float kFold = 256.0f;  // 1 / half_sum_scale(fp8_e5m2)
+  static constexpr bool kFoldEvenOdd = true;
+  struct State {
+    __m512h scale;
+  };
+  static HWY_INLINE State MakeState() { return {_mm512_set1_ph(static_cast<_Float16>(0x1p-8f))}; }
+  static HWY_INLINE void DecodePair(const State& s, const std::uint8_t* row, std::size_t chunk,
+                                    __m512h& x0, __m512h& x1) {
+    const __m512i codes = _mm512_loadu_si512(row + chunk * 64);
+    const __m512i zero = _mm512_setzero_si512();
+    x0 = _mm512_mul_ph(_mm512_castsi512_ph(_mm512_unpacklo_epi8(zero, codes)), s.scale);
+    x1 = _mm512_mul_ph(_mm512_castsi512_ph(_mm512_unpackhi_epi8(zero, codes)), s.scale);
   }
 };
 
@@ -474,6 +495,8 @@ HWY_INLINE void VisitHalfDecoder(Format format, F&& f) {
     f.template operator()<HalfFp6<kE3M2Spec>>();
   } else if (format == Format::fp8_e4m3) {
     f.template operator()<HalfE4M3>();
+  } else if (format == Format::fp8_e5m2) {
+    f.template operator()<HalfE5M2>();
   } else {
     f.template operator()<HalfE2M1>();
   }
