@@ -13,6 +13,9 @@
 // not depend on how many of its columns are used, so q_len 4 costs Q . K no more than q_len 1).
 // C is stored and its columns gathered into the kernel's score rows.
 //
+// The same B layout of Q serves the AVX-512 dot products where no tiles run (ScoresDotPairs):
+// from 16 rows, over K rows decoded into words once per tile, the vector form of that product.
+//
 // Numerics are those of the dot products (bf16_dot-inl.h): every product of two bf16 values is
 // exact in fp32, the sums are fp32 in the tile's order, subnormal inputs and results are zero.
 // nvfp4's K values go in as e2m1 x block scale, exact in bf16 (DotNvfp4::DecodeScaled).
@@ -90,7 +93,8 @@ HWY_INLINE void Transpose16x16(__m512i v[16]) {
 // q_tiles from PrepareDotQuery's q_words ([rows][qs] bf16 words in Dot's channel order):
 // tile (group, step) word 32 p + 2 m + i = word 32 step + 2 p + i of query row 16 group + m,
 // zero past the last row. In 32-bit pairs of words, each tile is the transpose of the group's
-// 16 rows x 16 pairs of the step.
+// 16 rows x 16 pairs of the step. ScoresDotPairs reads the same layout: per group, d / 2 vectors
+// whose lanes are the rows.
 inline void PrepareAmxQuery(const std::uint16_t* HWY_RESTRICT q_words, std::size_t qs, int rows,
                             std::size_t d, std::uint16_t* HWY_RESTRICT q_tiles) {
   const int groups = (rows + kAmxRows - 1) / kAmxRows;
@@ -106,6 +110,62 @@ inline void PrepareAmxQuery(const std::uint16_t* HWY_RESTRICT q_words, std::size
       Transpose16x16(pairs);
       std::uint16_t* tile = q_tiles + (std::size_t(group) * steps + step) * 16 * 32;
       for (int p = 0; p < 16; ++p) _mm512_storeu_si512(tile + 32 * p, pairs[p]);
+    }
+  }
+}
+
+// acc + the dot products of q's 16 lanes (bf16 word pairs) with the word pair at k broadcast to
+// every lane: vdpbf16ps with an embedded broadcast, so the pair is a memory operand and no
+// register holds it.
+HWY_INLINE __m512 DotPairBroadcast(__m512 acc, __m512i q, const std::uint32_t* k) {
+  asm("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(q), "m"(*k));
+  return acc;
+}
+
+// scores[r][t] = scale * q_r . k_t for the count K rows decoded into words once per tile
+// (DecodeWordRows; key t's words at bases[t], in the order of Q's words), with Q as
+// PrepareAmxQuery lays it out: per group of 16 rows, its d / 2 word pairs, each a vector whose
+// lanes are the rows. A block of 16 rows x 16 keys keeps one accumulator per key, lanes the rows:
+// each Q pair vector is loaded once for the 16 keys, whose pairs the dot products take as
+// broadcast memory operands, and no lane sums are left at the end (ScoresDot's 4 x 4 blocks sum
+// 16 lanes per score, and reload Q for every 4 keys). A 16 x 16 transpose puts the block's
+// scores into the rows. Keys past count repeat the last one; their scores land in each row's
+// padding (stride holds the tile rounded up to 16), which the softmax ignores.
+HWY_NOINLINE void ScoresDotPairs(const std::uint16_t* HWY_RESTRICT q_tiles, int rows, std::size_t d,
+                                 const std::uint8_t* const* bases, int count, float scale,
+                                 float* HWY_RESTRICT scores, std::size_t stride,
+                                 TilePrefetcher& prefetch, int prefetch_per_key) {
+  const std::size_t pairs = d / 2;
+  const int groups = (rows + kAmxRows - 1) / kAmxRows;
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int t0 = 0; t0 < count; t0 += 16) {
+    const int keys = count - t0 < 16 ? count - t0 : 16;
+    prefetch.Issue(keys * prefetch_per_key);
+    const std::uint32_t* k[16];
+    for (int i = 0; i < 16; ++i) {
+      k[i] = reinterpret_cast<const std::uint32_t*>(bases[t0 + (i < keys ? i : keys - 1)]);
+    }
+    for (int group = 0; group < groups; ++group) {
+      const std::uint16_t* q = q_tiles + std::size_t(group) * pairs * 32;
+      __m512 acc[16];
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+      for (std::size_t p = 0; p < pairs; ++p) {
+        const __m512i qp = _mm512_loadu_si512(q + 32 * p);
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; ++i) acc[i] = DotPairBroadcast(acc[i], qp, k[i] + p);
+      }
+      __m512i v[16];
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) v[i] = _mm512_castps_si512(acc[i]);
+      Transpose16x16(v);  // v[m]: row m's scores of the 16 keys
+      const int group_rows =
+          rows - group * kAmxRows < kAmxRows ? rows - group * kAmxRows : kAmxRows;
+      float* out = scores + std::size_t(group) * kAmxRows * stride + t0;
+      for (int m = 0; m < group_rows; ++m) {
+        _mm512_storeu_ps(out + std::size_t(m) * stride,
+                         _mm512_mul_ps(_mm512_castsi512_ps(v[m]), vscale));
+      }
     }
   }
 }

@@ -262,11 +262,13 @@ void RunUnit(const KernelConfig& config, const DecodeArgs& args, const Plan& pla
   // The accumulator's rows: padded to whole A tiles on the tiles.
 #if MJOLNIR_AMX
   const int acc_rows = paths.amx_values ? paths.value_rows : rows;
-  const std::size_t q_tile_words = paths.amx_scores ? AmxQueryWords(rows, std::size_t(d)) : 0;
+  // Q's transposed pairs: the tiles' B operand, and the dot products' over K words decoded once
+  // a tile (ScoresDotPairs).
+  const bool q_pairs = paths.amx_scores || paths.decoded_keys;
+  const std::size_t q_tile_words = q_pairs ? AmxQueryWords(rows, std::size_t(d)) : 0;
   std::uint16_t* q_tiles_all =
-      paths.amx_scores
-          ? reinterpret_cast<std::uint16_t*>(scratch.floats(kQTiles, q_tile_words / 2 * heads))
-          : nullptr;
+      q_pairs ? reinterpret_cast<std::uint16_t*>(scratch.floats(kQTiles, q_tile_words / 2 * heads))
+              : nullptr;
 #else
   const int acc_rows = rows;
 #endif
@@ -309,7 +311,9 @@ void RunUnit(const KernelConfig& config, const DecodeArgs& args, const Plan& pla
     hs.path = HeadScorePath(paths, args.params.q_mode, qn, std::size_t(rows) * d);
     hs.q_tiles = nullptr;
 #if MJOLNIR_AMX
-    if (hs.path == ScorePath::amx) hs.q_tiles = q_tiles_all + q_tile_words * h;
+    if (hs.path == ScorePath::amx || (hs.path == ScorePath::bf16_dot && paths.decoded_keys)) {
+      hs.q_tiles = q_tiles_all + q_tile_words * h;
+    }
 #endif
     hs.prob_words = nullptr;
     PrepareHeadQuery<Decoder>(hs, qn, score_scale, order);

@@ -209,7 +209,7 @@ struct HeadState {
   ScorePath path;
   float* q;                         // kernel-ready Q, in the layout of its score path
   float kernel_scale;               // turns q . k as computed into log2-scaled scores
-  std::uint16_t* q_tiles;           // path amx: Q's B tiles
+  std::uint16_t* q_tiles;           // Q's B tiles (path amx; bf16_dot over K decoded once)
   std::uint16_t* prob_words;        // P . V on AMX tiles: this head's P A-rows
   float* acc;                       // [R][ld] O accumulator, decoder (or value tiles') order
   RowState state;                   // m, l, alpha: [R] each
@@ -247,7 +247,7 @@ void PrepareHeadQuery(HeadState& hs, const float* HWY_RESTRICT qn, float score_s
       if constexpr (!std::is_void_v<DotOf<Decoder>>) {
         auto* words = reinterpret_cast<std::uint16_t*>(hs.q);
         PrepareDotQuery<DotOf<Decoder>>(qn, it.rows, d, it.ld, words);
-        if (hs.path == ScorePath::amx) {
+        if (hs.q_tiles != nullptr) {  // the tiles, or the pair dot products (ScoresDotPairs)
           PrepareAmxQuery(words, 2 * it.ld, it.rows, d, hs.q_tiles);
         }
       }
@@ -336,6 +336,13 @@ void ScoreHeadTile([[maybe_unused]] const UnitPaths& paths, HeadState& hs, const
         if (s.decoded_keys.rows != nullptr) {  // K as words once per tile, read as bf16 rows
           DecodeWordRows<DotOf<Decoder>>(tile.bases, hs.k_offset, tile.count, d,
                                          s.decoded_keys.rows, s.decoded_keys.stride);
+#if MJOLNIR_AMX
+          if (hs.q_tiles != nullptr) {
+            ScoresDotPairs(hs.q_tiles, it.rows, d, s.decoded_keys.bases, tile.count,
+                           hs.kernel_scale, s.scores, s.stride, prefetcher, prefetch_per_key);
+            break;
+          }
+#endif
           ScoresDot<DotBf16>(q_words, 2 * it.ld, it.rows, d, s.decoded_keys.bases, 0, tile.count,
                              hs.kernel_scale, s.scores, s.stride, prefetcher, prefetch_per_key);
           break;
