@@ -721,8 +721,11 @@ void ForEachQkCase(std::uint64_t seed, std::initializer_list<std::pair<int, int>
 
 // Q . K on bf16 dot products (Q in bf16 or fp8 mode, or in fp32 mode with bf16 values; P in
 // fp32; every format whose codes are bf16 values) against the emulator, over group sizes, q_len
-// and D that exercise its 4-row blocks, leftover rows and key groups of fewer than 4; each case
-// must have run on it, and fp32 queries that are not bf16 values must not.
+// and D that exercise its 4-row blocks, leftover rows and key groups of fewer than 4, and from
+// 16 rows its 16 x 16 blocks (ScoresDotPairs: a whole group of rows, one and a part, two); each
+// case must have run on it, and fp32 queries that are not bf16 values must not. The 16 x 16
+// blocks run where K's rows are words: a bf16 cache's, or the others' decoded once per tile
+// (queries in bf16 or fp8 mode; not nvfp4).
 TEST(CpuBf16Dot, MatchesEmulator) {
   if (!cpu::cpu_has_bf16_dot()) {
     GTEST_SKIP() << "the dispatched target (" << cpu::kernel_target()
@@ -733,11 +736,18 @@ TEST(CpuBf16Dot, MatchesEmulator) {
       make_backend("cpu", BackendOptions{.threads = 2, .cpu_kernels = {.amx = false}});
   ASSERT_TRUE(cpu::kernel_config(*backend).bf16_dot);
   ForEachQkCase(
-      mjolnir::testing::test_seed() + 23, {{1, 1}, {4, 1}, {8, 1}, {3, 2}, {4, 4}, {5, 3}},
-      [&](const verify::Case& c, int mode, int, int) {
+      mjolnir::testing::test_seed() + 23,
+      {{1, 1}, {4, 1}, {8, 1}, {3, 2}, {4, 4}, {5, 3}, {5, 4}, {16, 2}},
+      [&](const verify::Case& c, int mode, int g, int q_len) {
         const std::uint64_t before = cpu::kernel_path_counts(*backend).bf16_dot;
+        const std::uint64_t pairs_before = cpu::kernel_path_counts(*backend).pair_scores;
         const verify::CaseResult r = verify::run_case(c, *backend);
         EXPECT_NE(r.status, verify::CaseResult::Status::failed) << c.name() << ": " << r.message;
+        const Format format = c.spec.format;
+        const bool pairs = mode < 3 && g * q_len >= 16 &&
+                           (format == Format::bf16 || (mode < 2 && format != Format::nvfp4));
+        EXPECT_EQ(cpu::kernel_path_counts(*backend).pair_scores > pairs_before, pairs)
+            << c.name() << (pairs ? " did not run" : " ran") << " in 16 x 16 blocks";
         if (mode < 3) {
           EXPECT_GT(cpu::kernel_path_counts(*backend).bf16_dot, before)
               << c.name() << " did not run on them";

@@ -122,8 +122,8 @@ HWY_INLINE __m512 DotPairBroadcast(__m512 acc, __m512i q, const std::uint32_t* k
   return acc;
 }
 
-// scores[r][t] = scale * q_r . k_t for the count K rows decoded into words once per tile
-// (DecodeWordRows; key t's words at bases[t], in the order of Q's words), with Q as
+// scores[r][t] = scale * q_r . k_t for the count K rows of words at bases[t] + offset, in the
+// order of Q's words (decoded once per tile by DecodeWordRows, or a bf16 cache's rows), with Q as
 // PrepareAmxQuery lays it out: per group of 16 rows, its d / 2 word pairs, each a vector whose
 // lanes are the rows. A block of 16 rows x 16 keys keeps one accumulator per key, lanes the rows:
 // each Q pair vector is loaded once for the 16 keys, whose pairs the dot products take as
@@ -132,8 +132,8 @@ HWY_INLINE __m512 DotPairBroadcast(__m512 acc, __m512i q, const std::uint32_t* k
 // scores into the rows. Keys past count repeat the last one; their scores land in each row's
 // padding (stride holds the tile rounded up to 16), which the softmax ignores.
 HWY_NOINLINE void ScoresDotPairs(const std::uint16_t* HWY_RESTRICT q_tiles, int rows, std::size_t d,
-                                 const std::uint8_t* const* bases, int count, float scale,
-                                 float* HWY_RESTRICT scores, std::size_t stride,
+                                 const std::uint8_t* const* bases, std::int64_t offset, int count,
+                                 float scale, float* HWY_RESTRICT scores, std::size_t stride,
                                  TilePrefetcher& prefetch, int prefetch_per_key) {
   const std::size_t pairs = d / 2;
   const int groups = (rows + kAmxRows - 1) / kAmxRows;
@@ -143,7 +143,7 @@ HWY_NOINLINE void ScoresDotPairs(const std::uint16_t* HWY_RESTRICT q_tiles, int 
     prefetch.Issue(keys * prefetch_per_key);
     const std::uint32_t* k[16];
     for (int i = 0; i < 16; ++i) {
-      k[i] = reinterpret_cast<const std::uint32_t*>(bases[t0 + (i < keys ? i : keys - 1)]);
+      k[i] = reinterpret_cast<const std::uint32_t*>(bases[t0 + (i < keys ? i : keys - 1)] + offset);
     }
     for (int group = 0; group < groups; ++group) {
       const std::uint16_t* q = q_tiles + std::size_t(group) * pairs * 32;

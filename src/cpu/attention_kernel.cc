@@ -262,9 +262,9 @@ void RunUnit(const KernelConfig& config, const DecodeArgs& args, const Plan& pla
   // The accumulator's rows: padded to whole A tiles on the tiles.
 #if MJOLNIR_AMX
   const int acc_rows = paths.amx_values ? paths.value_rows : rows;
-  // Q's transposed pairs: the tiles' B operand, and the dot products' over K words decoded once
-  // a tile (ScoresDotPairs).
-  const bool q_pairs = paths.amx_scores || paths.decoded_keys;
+  // Q's transposed pairs: the tiles' B operand, and the dot products' in 16 x 16 blocks
+  // (paths.pair_scores).
+  const bool q_pairs = paths.amx_scores || paths.pair_scores;
   const std::size_t q_tile_words = q_pairs ? AmxQueryWords(rows, std::size_t(d)) : 0;
   std::uint16_t* q_tiles_all =
       q_pairs ? reinterpret_cast<std::uint16_t*>(scratch.floats(kQTiles, q_tile_words / 2 * heads))
@@ -311,8 +311,9 @@ void RunUnit(const KernelConfig& config, const DecodeArgs& args, const Plan& pla
     hs.path = HeadScorePath(paths, args.params.q_mode, qn, std::size_t(rows) * d);
     hs.q_tiles = nullptr;
 #if MJOLNIR_AMX
-    if (hs.path == ScorePath::amx || (hs.path == ScorePath::bf16_dot && paths.decoded_keys)) {
+    if (hs.path == ScorePath::amx || (hs.path == ScorePath::bf16_dot && paths.pair_scores)) {
       hs.q_tiles = q_tiles_all + q_tile_words * h;
+      if (hs.path == ScorePath::bf16_dot) ++scratch.counts.pair_scores;
     }
 #endif
     hs.prob_words = nullptr;

@@ -39,6 +39,7 @@ struct KernelPathCounts {
   // query rows, kernel_paths-inl.h)
   std::uint64_t decoded_keys = 0;
   std::uint64_t decoded_values = 0;
+  std::uint64_t pair_scores = 0;  // Q . K on the dot products in 16 x 16 blocks (ScoresDotPairs)
 
   KernelPathCounts& operator+=(const KernelPathCounts& other) {
     bf16_dot += other.bf16_dot;
@@ -49,6 +50,7 @@ struct KernelPathCounts {
     int8_dot += other.int8_dot;
     decoded_keys += other.decoded_keys;
     decoded_values += other.decoded_values;
+    pair_scores += other.pair_scores;
     return *this;
   }
 };

@@ -66,6 +66,10 @@ struct UnitPaths {
   bool int8 = false;         // every head's Q . K in integers
   // K / V rows decoded once per tile (SetDecodedOnce, kDecodeOnceRows), not once per block of rows
   bool decoded_keys = false, decoded_values = false;
+  // Q . K on the dot products in blocks of 16 rows x 16 keys over Q's transposed word pairs
+  // (ScoresDotPairs), from kDecodeOnceRows, where K's rows are words: decoded once per tile, or
+  // a bf16 cache's rows as they are.
+  bool pair_scores = false;
 };
 
 #if MJOLNIR_BF16_DOT
@@ -100,17 +104,19 @@ inline bool DecodeKeyWordsOncePays(Format format) {
   return format != Format::bf16 && format != Format::fp16 && format != Format::nvfp4;
 }
 
-// Sets paths.decoded_keys / decoded_values for a unit of `rows` query rows whose other paths are
-// chosen: K where Q . K runs in integers on a target that reads decoded K (DecodedInt) or on the
-// bf16 dot products off the tiles for queries whose values are all bf16 values (Q mode bf16,
-// fp8, or int8 where it does not run in integers) and the decode pays, V where P . V runs on FMAs
-// (not as words, on the tiles or the dot products) and the decode pays, or on fp16 FMAs (into fp16
-// words there, ValuesHalf; every format it takes).
+// Sets paths.decoded_keys / decoded_values (and pair_scores) for a unit of `rows` query rows whose
+// other paths are chosen: K where Q . K runs in integers on a target that reads decoded K
+// (DecodedInt) or on the bf16 dot products off the tiles for queries whose values are all bf16
+// values (Q mode bf16, fp8, or int8 where it does not run in integers) and the decode pays, V where
+// P . V runs on FMAs (not as words, on the tiles or the dot products) and the decode pays, or on
+// fp16 FMAs (into fp16 words there, ValuesHalf; every format it takes).
 inline void SetDecodedOnce(Format format, QMode q_mode, int rows, UnitPaths& paths) {
   const bool many = rows >= kDecodeOnceRows;
   const bool dot_words = MJOLNIR_BF16_DOT && paths.dot_scores && !paths.amx_scores && !paths.int8 &&
                          q_mode != QMode::fp32 && DecodeKeyWordsOncePays(format);
   paths.decoded_keys = many && ((MJOLNIR_INT8_DECODED_KEYS && paths.int8) || dot_words);
+  paths.pair_scores = many && (dot_words || (MJOLNIR_BF16_DOT && paths.dot_scores &&
+                                             !paths.amx_scores && format == Format::bf16));
   paths.decoded_values = many && (paths.half_values || (!paths.amx_values && !paths.dot_values &&
                                                         DecodeValuesOncePays(format)));
 }
@@ -333,18 +339,17 @@ void ScoreHeadTile([[maybe_unused]] const UnitPaths& paths, HeadState& hs, const
 #if MJOLNIR_BF16_DOT
       if constexpr (!std::is_void_v<DotOf<Decoder>>) {
         const auto* q_words = reinterpret_cast<const std::uint16_t*>(hs.q);
-        if (s.decoded_keys.rows != nullptr) {  // K as words once per tile, read as bf16 rows
-          DecodeWordRows<DotOf<Decoder>>(tile.bases, hs.k_offset, tile.count, d,
-                                         s.decoded_keys.rows, s.decoded_keys.stride);
-#if MJOLNIR_AMX
-          if (hs.q_tiles != nullptr) {
-            ScoresDotPairs(hs.q_tiles, it.rows, d, s.decoded_keys.bases, tile.count,
-                           hs.kernel_scale, s.scores, s.stride, prefetcher, prefetch_per_key);
-            break;
+        if (hs.q_tiles != nullptr) {  // paths.pair_scores: K's rows as words
+          const std::uint8_t* const* k_rows = tile.bases;
+          std::int64_t k_offset = hs.k_offset;   // a bf16 cache's rows are the words already
+          if (s.decoded_keys.rows != nullptr) {  // the others' once per tile
+            DecodeWordRows<DotOf<Decoder>>(tile.bases, hs.k_offset, tile.count, d,
+                                           s.decoded_keys.rows, s.decoded_keys.stride);
+            k_rows = s.decoded_keys.bases;
+            k_offset = 0;
           }
-#endif
-          ScoresDot<DotBf16>(q_words, 2 * it.ld, it.rows, d, s.decoded_keys.bases, 0, tile.count,
-                             hs.kernel_scale, s.scores, s.stride, prefetcher, prefetch_per_key);
+          ScoresDotPairs(hs.q_tiles, it.rows, d, k_rows, k_offset, tile.count, hs.kernel_scale,
+                         s.scores, s.stride, prefetcher, prefetch_per_key);
           break;
         }
         ScoresDot<DotOf<Decoder>>(q_words, 2 * it.ld, it.rows, d, tile.bases, hs.k_offset,
