@@ -190,16 +190,16 @@ class MjolnirGpuMetadataBuilder(_Builder):
         return heads
 
 
-def _step_handle(meta, step) -> tuple[int, int, int]:
-    """The step's query rows, id and the rows of the graph buffers it was planned into (0:
-    none), asked once per step and kept on its metadata: each is a method call of the
-    torchbind Step, which costs more than the layer's whole host-side call of attend_step
-    (docs/python.md)."""
+def _step_handle(meta, step) -> tuple[int, int, int, int]:
+    """The step's query rows, id, the rows of the graph buffers it was planned into (0: none)
+    and its query tokens per request, asked once per step and kept on its metadata: each is a
+    method call of the torchbind Step, which costs more than the layer's whole host-side call
+    of attend_step (docs/python.md)."""
     handle = meta.__dict__.get("mjolnir_handle")
     if handle is None or handle[0] is not step:
-        handle = (step, step.query_rows(), step.id(), step.graph_rows())
+        handle = (step, step.query_rows(), step.id(), step.graph_rows(), step.q_len())
         meta.__dict__["mjolnir_handle"] = handle
-    return handle[1], handle[2], handle[3]
+    return handle[1:]
 
 
 def plan_decode_step(common, heads: tuple[int, int], config: AttnConfig,
@@ -343,7 +343,7 @@ class MjolnirGpuAttentionImpl(_Impl):
                                    output_scale, output_block_scale)
         # The cache write stays the base backend's (its own step when
         # forward_includes_kv_cache_update is False, vLLM calls do_kv_cache_update first).
-        rows, step_id, graph_rows = _step_handle(attn_metadata, step)
+        rows, step_id, graph_rows, q_len = _step_handle(attn_metadata, step)
         slot = getattr(attn_metadata, "mjolnir_graph_slot", None)
         if graph_rows:
             # Every row vLLM's (padded) tensors hold, up to the buffers' capacity: a graph
@@ -370,6 +370,6 @@ class MjolnirGpuAttentionImpl(_Impl):
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                    output_scale, output_block_scale)
         type(self).mjolnir_steps += 1
-        if slot is not None and not graph_rows and step.q_len() not in slot.buffers:
-            make_graph_buffers(slot, step.q_len(), self, kv_cache, _CONFIG)
+        if slot is not None and not graph_rows and q_len not in slot.buffers:
+            make_graph_buffers(slot, q_len, self, kv_cache, _CONFIG)
         return output
