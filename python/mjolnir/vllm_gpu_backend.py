@@ -144,8 +144,8 @@ class GraphSlot:
     def __init__(self, max_seqs: int, max_model_len: int) -> None:
         self.max_seqs = max_seqs  # the scheduler's max_num_seqs
         self.max_model_len = max_model_len
-        # q_len -> (GraphBuffers, max_rows), or None where they could not be made
-        self.buffers: dict[int, Optional[tuple[Any, int]]] = {}
+        # q_len -> GraphBuffers, or None where they could not be made
+        self.buffers: dict[int, Any] = {}
 
 
 class MjolnirGpuMetadataBuilder(_Builder):
@@ -223,8 +223,7 @@ def plan_decode_step(common, heads: tuple[int, int], config: AttnConfig,
     seq_lens = common.seq_lens[:num_reqs].to("cpu", torch.int32)
     block_table = common.block_table_tensor[:num_reqs].to("cpu", torch.int32)
     num_heads, num_kv_heads = heads
-    buffers = graphs.buffers.get(q_len) if graphs is not None else None
-    graph = buffers[0] if buffers is not None else None
+    graph = graphs.buffers.get(q_len) if graphs is not None else None
     try:
         step = torch.ops.mjolnir.plan_step(seq_lens, block_table, None, q_len, num_heads,
                                            num_kv_heads, bool(causal), config.q_dtype,
@@ -257,7 +256,7 @@ def make_graph_buffers(slot: GraphSlot, q_len: int, impl, kv_cache: torch.Tensor
                        "(%s); vLLM's graphs hold %s's kernels for them", q_len, e,
                        config.gpu_base)
         return
-    slot.buffers[q_len] = (buffers, int(buffers.max_rows()))
+    slot.buffers[q_len] = buffers
     logger.info("mjolnir: decode steps of %d query token(s) planned into CUDA-graph buffers "
                 "from the next step on: %s", q_len, buffers.describe())
 

@@ -320,7 +320,7 @@ def test_graph_buffers_come_from_the_first_eager_step(gen, monkeypatch, caplog):
     assert calls == ["base"]
     # max_seqs, pages of max_model_len, q_len, Hq, Hk, D, max_splits, block size, pool, device
     assert made == [(4, 7, 1, 8, 2, 128, 16, 16, 6, 0)]
-    assert set(slot.buffers) == {1} and slot.buffers[1][1] == 4
+    assert set(slot.buffers) == {1} and slot.buffers[1].max_rows() == 4
     assert "CUDA-graph buffers" in caplog.text and "fake buffers" in caplog.text
 
     # Buffers that cannot be made: a warning, once; later steps plan for themselves.

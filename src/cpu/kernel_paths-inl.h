@@ -112,11 +112,11 @@ inline bool DecodeKeyWordsOncePays(Format format) {
 // fp16 FMAs (into fp16 words there, ValuesHalf; every format it takes).
 inline void SetDecodedOnce(Format format, QMode q_mode, int rows, UnitPaths& paths) {
   const bool many = rows >= kDecodeOnceRows;
-  const bool dot_words = MJOLNIR_BF16_DOT && paths.dot_scores && !paths.amx_scores && !paths.int8 &&
-                         q_mode != QMode::fp32 && DecodeKeyWordsOncePays(format);
+  const bool dot_off_tiles =
+      MJOLNIR_BF16_DOT && paths.dot_scores && !paths.amx_scores && !paths.int8;
+  const bool dot_words = dot_off_tiles && q_mode != QMode::fp32 && DecodeKeyWordsOncePays(format);
   paths.decoded_keys = many && ((MJOLNIR_INT8_DECODED_KEYS && paths.int8) || dot_words);
-  paths.pair_scores = many && (dot_words || (MJOLNIR_BF16_DOT && paths.dot_scores &&
-                                             !paths.amx_scores && format == Format::bf16));
+  paths.pair_scores = many && (dot_words || (dot_off_tiles && format == Format::bf16));
   paths.decoded_values = many && (paths.half_values || (!paths.amx_values && !paths.dot_values &&
                                                         DecodeValuesOncePays(format)));
 }
@@ -215,7 +215,7 @@ struct HeadState {
   ScorePath path;
   float* q;                         // kernel-ready Q, in the layout of its score path
   float kernel_scale;               // turns q . k as computed into log2-scaled scores
-  std::uint16_t* q_tiles;           // Q's B tiles (path amx; bf16_dot over K decoded once)
+  std::uint16_t* q_tiles;           // Q's B tiles (path amx; bf16_dot with pair_scores)
   std::uint16_t* prob_words;        // P . V on AMX tiles: this head's P A-rows
   float* acc;                       // [R][ld] O accumulator, decoder (or value tiles') order
   RowState state;                   // m, l, alpha: [R] each

@@ -177,8 +177,7 @@ void GraphBuffers::enqueue([[maybe_unused]] at::Tensor& output,
   const std::int64_t token_stride = num_q_heads_ * geometry_.head_dim;
   args.q = {q_rows_.const_data_ptr<float>(), token_stride, geometry_.head_dim, RowType::f32};
   args.o = {o_rows_.data_ptr<float>(), token_stride, geometry_.head_dim, RowType::f32};
-  static const CudaKernelOptions kernels =
-      with_op_errors([] { return cuda_kernel_options_from_environment(); });
+  const CudaKernelOptions& kernels = cuda_kernels_from_environment();
   with_op_errors([&] {
     const std::string why =
         cuda::unsupported_reason(geo, params, step_->capacity().max_tile_tokens);

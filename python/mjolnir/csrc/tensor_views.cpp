@@ -442,4 +442,10 @@ const Backend& backend_for(const at::Device& device, std::string_view backend,
   return *slot;
 }
 
+const CudaKernelOptions& cuda_kernels_from_environment() {
+  static const CudaKernelOptions kernels =
+      with_op_errors([] { return cuda_kernel_options_from_environment(); });
+  return kernels;
+}
+
 }  // namespace mjolnir::python

@@ -88,6 +88,11 @@ std::span<const float> host_floats(const at::Tensor& t, std::string_view name, a
 void check_same_device(const at::Tensor& t, std::string_view name, const at::Tensor& first,
                        std::string_view first_name);
 
+// The CUDA kernel variants the environment asks for (MJOLNIR_CUDA_MMA_LAYOUT,
+// cuda_kernel_options_from_environment), read once per process: what the ops' own device launches
+// take (torch_ops.cpp, graph_buffers.cpp), as backend_for's backends do.
+const CudaKernelOptions& cuda_kernels_from_environment();
+
 // The library's backend for a device ("" picks cpu or cuda from it) and a thread count:
 // threads 0 runs the CPU backend on torch's intra-op threads (at::parallel_for), so it shares
 // the cores with torch instead of competing with them; threads N > 0 runs it on N of its own.

@@ -262,8 +262,7 @@ void enqueue_on_device(const Backend& backend, const DecodeArgs& args, const Bac
   const at::Tensor workspace = at::empty({std::int64_t(std::max<std::size_t>(bytes, 1))},
                                          at::TensorOptions().dtype(at::kByte).device(device));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
-  static const CudaKernelOptions kernels =
-      with_op_errors([] { return cuda_kernel_options_from_environment(); });
+  const CudaKernelOptions& kernels = cuda_kernels_from_environment();
   std::lock_guard lock(SharedDeviceSteps::lock());
   with_op_errors([&] {
     const cuda::StepCapacity need = cuda::step_capacity_for(plan, args.batch);
