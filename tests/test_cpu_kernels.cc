@@ -152,7 +152,8 @@ void TestDecoders() {
     // The kernel's own choice where rows have whole 64-channel chunks, for CPUs with fast and
     // with slow subnormals whatever this one is: on AVX3_DL the decoders through bf16 words for
     // the low-bit formats, which must never make an fp32 subnormal, nor, where subnormals are
-    // slow, must AVX2's fp6 or SSE4's lifted decoders.
+    // slow, must AVX2's fp6 or SSE4's lifted decoders (where they are fast, x86's fp4_e2m1 and
+    // nvfp4 take the bit placement, subnormals and all).
     const bool low_bit = format != Format::bf16 && format != Format::fp16;
     for (const bool slow : {false, true}) {
       VisitKernelDecoder(format, 64, slow, [&]<class Decoder>() {
@@ -673,23 +674,31 @@ TEST_P(CpuKernelMatrix, OddShapesMatchEmulator) {
 }
 
 // The decoders the kernel takes on CPUs whose subnormal FMAs are slow (on AVX2, fp6 through fp16;
-// on SSE4, every placed format lifted), run here whatever this CPU is: the low-bit cases of the
-// quick matrix against the emulator.
-TEST_P(CpuKernelMatrix, AvoidingSubnormalsMatchesEmulator) {
-  const auto backend = make_backend(
-      "cpu", BackendOptions{.threads = 2, .cpu_kernels = {.avoid_fp32_subnormals = true}});
-  ASSERT_TRUE(cpu::kernel_config(*backend).avoid_fp32_subnormals);
-  int cases = 0;
-  const std::vector<verify::Case> matrix =
-      verify::case_matrix(true, mjolnir::testing::test_seed() + 5);
-  for (std::size_t i = 0; i < matrix.size(); ++i) {
-    const verify::Case& c = matrix[i];
-    if (c.spec.format == Format::bf16 || c.spec.format == Format::fp16 || !runs_case(i)) continue;
-    const verify::CaseResult r = verify::run_case(c, *backend);
-    EXPECT_NE(r.status, verify::CaseResult::Status::failed) << c.name() << ": " << r.message;
-    ++cases;
+// on SSE4, every placed format lifted) and on CPUs whose FMAs take subnormals at full speed (on
+// x86, e2m1 nibbles placed into fp32 fields rather than looked up), run
+// here whatever this CPU is: the low-bit cases of the quick matrix against the emulator, under
+// each policy.
+TEST_P(CpuKernelMatrix, EachSubnormalPolicyMatchesEmulator) {
+  for (const bool avoid : {true, false}) {
+    SCOPED_TRACE(avoid ? "avoiding fp32 subnormals" : "making fp32 subnormals");
+    const auto backend = make_backend(
+        "cpu", BackendOptions{.threads = 2, .cpu_kernels = {.avoid_fp32_subnormals = avoid}});
+    ASSERT_EQ(cpu::kernel_config(*backend).avoid_fp32_subnormals, avoid);
+    int cases = 0;
+    const std::vector<verify::Case> matrix =
+        verify::case_matrix(true, mjolnir::testing::test_seed() + 5);
+    for (std::size_t i = 0; i < matrix.size(); ++i) {
+      const verify::Case& c = matrix[i];
+      if (c.spec.format == Format::bf16 || c.spec.format == Format::fp16 || !runs_case(i)) continue;
+      // Making subnormals changes only e2m1's decoders (the rest are the quick matrix's own).
+      const bool e2m1 = c.spec.format == Format::fp4_e2m1 || c.spec.format == Format::nvfp4;
+      if (!avoid && !e2m1) continue;
+      const verify::CaseResult r = verify::run_case(c, *backend);
+      EXPECT_NE(r.status, verify::CaseResult::Status::failed) << c.name() << ": " << r.message;
+      ++cases;
+    }
+    EXPECT_GT(cases, 0);
   }
-  EXPECT_GT(cases, 0);
 }
 
 // The cases of the Q . K tests below: every format whose codes are bf16 values, in each Q mode

@@ -27,6 +27,9 @@
 //   fma_vs_dot      Q . K on fp32 FMAs (CpuKernelOptions::bf16_dot off) against the dot products
 //                   (the tiles off, so that they take the 4 rows where there are tiles)
 //   noamx_vs_amx    q_len 4 (16 rows): the tiles off against on
+//   avoid_vs_make_subnormals  the decoders for CPUs whose FMAs take fp32 subnormals slowly
+//                   (CpuKernelOptions::avoid_fp32_subnormals on) against those for CPUs that take
+//                   them at full speed (off; low-bit formats only)
 #include <benchmark/benchmark.h>
 
 #include <time.h>
@@ -123,6 +126,7 @@ struct Variant {
   PMode p_mode = PMode::fp32;
   bool bf16_dot = true;  // false: turned off (else as the environment has it)
   bool amx = true;
+  std::optional<bool> avoid_subnormals;  // unset: as this CPU's kernel config has it
 };
 
 // The calling thread's CPU time in nanoseconds.
@@ -154,6 +158,9 @@ void Pair(benchmark::State& state, Format format, int group, int q_len, Variant 
     BackendOptions options = OneThread();
     options.cpu_kernels.bf16_dot &= variants[i]->bf16_dot;
     options.cpu_kernels.amx &= variants[i]->amx;
+    if (variants[i]->avoid_subnormals) {
+      options.cpu_kernels.avoid_fp32_subnormals = variants[i]->avoid_subnormals;
+    }
     side.backend = make_backend("cpu", options);
     side.args = problem.args();
     side.args.params.q_mode = variants[i]->q_mode.value_or(
@@ -277,6 +284,14 @@ const int registered = [] {
                                  4, Variant{QMode::bf16, PMode::bf16, true, /*amx=*/false},
                                  Variant{QMode::bf16, PMode::bf16})
         ->Unit(benchmark::kMicrosecond);
+    if (format != Format::bf16 && format != Format::fp16) {
+      Variant avoid, make;
+      avoid.avoid_subnormals = true;
+      make.avoid_subnormals = false;
+      benchmark::RegisterBenchmark(("Pair" + shape + "q_len1/avoid_vs_make_subnormals").c_str(),
+                                   Pair, format, 4, 1, avoid, make)
+          ->Unit(benchmark::kMicrosecond);
+    }
   }
   benchmark::RegisterBenchmark("FmaPeak/1thread", FmaPeak)->Iterations(1);
   return 0;

@@ -301,8 +301,12 @@ HWY_INLINE hn::Vec<DF> E2M1Value(DF df, VU bytes32) {
 #define MJOLNIR_E2M1_LOOKUP 0
 #endif
 
-struct DecodeE2M1 {
-  static constexpr int kRawExp = MJOLNIR_E2M1_LOOKUP ? 0 : -126;
+// kLookup: the nibbles looked up as true values (x86: E2M1Value), else placed as bits, the
+// subnormal ones included (the placement is the one decoder elsewhere; on x86 the kernels take it
+// where the CPU multiplies fp32 subnormals at full speed, VisitKernelDecoder).
+template <bool kLookup>
+struct DecodeE2M1Of {
+  static constexpr int kRawExp = kLookup ? 0 : -126;
   static constexpr std::size_t kVectors = 2;
   using Tag = WideFloatTag;
 
@@ -318,12 +322,14 @@ struct DecodeE2M1 {
   template <std::size_t kJ, class DF, class VR>
   static HWY_INLINE hn::Vec<DF> Get(DF df, VR bytes32, hn::Vec<DF>) {
 #if MJOLNIR_E2M1_LOOKUP
-    return E2M1Value<kJ>(df, bytes32);
+    if constexpr (kLookup) return E2M1Value<kJ>(df, bytes32);
 #else
-    return E2M1Nibble<kJ>(df, bytes32);
+    static_assert(!kLookup);
 #endif
+    return E2M1Nibble<kJ>(df, bytes32);
   }
 };
+using DecodeE2M1 = DecodeE2M1Of<bool(MJOLNIR_E2M1_LOOKUP)>;
 
 // kTrueElements: the e2m1 elements as true values (looked up, or lifted out of the subnormal
 // range by LiftToNormal: DecodeNvfp4Lifted), else as placed bits.
@@ -367,16 +373,15 @@ struct DecodeNvfp4Of {
     // through a slow microcoded path (3x slower decode measured) but fuses it at full speed in an
     // FMA, so the exact product is taken as x * scale + (-0), which is x * scale, signed zeros
     // included.
-#if MJOLNIR_E2M1_LOOKUP
-    static_assert(kTrueElements);
-    return hn::Mul(E2M1Value<kJ>(df, bytes32), scale);
-#else
     if constexpr (kTrueElements) {
+#if MJOLNIR_E2M1_LOOKUP
+      return hn::Mul(E2M1Value<kJ>(df, bytes32), scale);
+#else
       return hn::Mul(LiftToNormal<126>(df, E2M1Nibble<kJ>(df, bytes32)), scale);
+#endif
     } else {
       return hn::MulAdd(E2M1Nibble<kJ>(df, bytes32), scale, hn::Set(df, -0.0f));
     }
-#endif
   }
 };
 using DecodeNvfp4 = DecodeNvfp4Of<bool(MJOLNIR_E2M1_LOOKUP)>;

@@ -357,10 +357,19 @@ HWY_INLINE decltype(auto) VisitKernelDecoder(Format format, std::size_t head_dim
 // VisitDecoder's choice, except with avoid_subnormals (KernelConfig::avoid_fp32_subnormals, where
 // the CPU's subnormal FMAs are slow): then fp6 on AVX2 goes through fp16 (DecodeFp6Half) and
 // every placed format on SSE4 is lifted (DecodeLifted), which never make an fp32 subnormal.
+// Without it (AMD's cores), x86's e2m1 lookup gives way to the bit placement, subnormals and
+// all: on an AVX2 Zen 3 fp4_e2m1 and nvfp4 decode steps took 0.91-0.93x the time, call by call
+// (docs/cpu-experiments.md; fp8 placed into fp32 fields gained nothing over its fp16 fields).
 template <class Visitor>
 HWY_INLINE decltype(auto) VisitKernelDecoder(Format format, std::size_t,
                                              [[maybe_unused]] bool avoid_subnormals,
                                              Visitor&& visit) {
+#if MJOLNIR_E2M1_LOOKUP
+  if (!avoid_subnormals) {
+    if (format == Format::fp4_e2m1) return visit.template operator()<DecodeE2M1Of<false>>();
+    if (format == Format::nvfp4) return visit.template operator()<DecodeNvfp4Of<false>>();
+  }
+#endif
 #if MJOLNIR_FP6_HALF
   if (avoid_subnormals) {
     if (format == Format::fp6_e2m3) return visit.template operator()<DecodeFp6Half<2>>();
