@@ -27,6 +27,8 @@
 //   fma_vs_dot      Q . K on fp32 FMAs (CpuKernelOptions::bf16_dot off) against the dot products
 //                   (the tiles off, so that they take the 4 rows where there are tiles)
 //   noamx_vs_amx    q_len 4 (16 rows): the tiles off against on
+//   qbf16_vs_qint8  Q . K with Q in bf16 against Q in int8 (integer dot products; fp4_e2m1,
+//                   fp6_e2m3 and nvfp4 on CPUs that have them), P fp32
 //   avoid_vs_make_subnormals  the decoders for CPUs whose FMAs take fp32 subnormals slowly
 //                   (CpuKernelOptions::avoid_fp32_subnormals on) against those for CPUs that take
 //                   them at full speed (off; low-bit formats only)
@@ -284,6 +286,13 @@ const int registered = [] {
                                  4, Variant{QMode::bf16, PMode::bf16, true, /*amx=*/false},
                                  Variant{QMode::bf16, PMode::bf16})
         ->Unit(benchmark::kMicrosecond);
+    if (cpu::cpu_has_int8_dot() && (format == Format::fp4_e2m1 || format == Format::fp6_e2m3 ||
+                                    format == Format::nvfp4)) {
+      benchmark::RegisterBenchmark(("Pair" + shape + "q_len1/qbf16_vs_qint8").c_str(), Pair, format,
+                                   4, 1, Variant{QMode::bf16, PMode::fp32},
+                                   Variant{QMode::int8, PMode::fp32})
+          ->Unit(benchmark::kMicrosecond);
+    }
     if (format != Format::bf16 && format != Format::fp16) {
       Variant avoid, make;
       avoid.avoid_subnormals = true;
