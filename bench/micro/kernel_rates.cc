@@ -286,8 +286,8 @@ const int registered = [] {
                                  4, Variant{QMode::bf16, PMode::bf16, true, /*amx=*/false},
                                  Variant{QMode::bf16, PMode::bf16})
         ->Unit(benchmark::kMicrosecond);
-    if (cpu::cpu_has_int8_dot() && (format == Format::fp4_e2m1 || format == Format::fp6_e2m3 ||
-                                    format == Format::nvfp4)) {
+    if (cpu::cpu_has_int8_dot() &&
+        (format == Format::fp4_e2m1 || format == Format::fp6_e2m3 || format == Format::nvfp4)) {
       benchmark::RegisterBenchmark(("Pair" + shape + "q_len1/qbf16_vs_qint8").c_str(), Pair, format,
                                    4, 1, Variant{QMode::bf16, PMode::fp32},
                                    Variant{QMode::int8, PMode::fp32})
