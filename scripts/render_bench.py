@@ -415,5 +415,6 @@ def render_block(args: argparse.Namespace, begin: str, end: str, repo_path) -> i
         plot(document, args.plot)
     return 0
 
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -431,10 +431,11 @@ void RunUnit(const KernelConfig& config, const DecodeArgs& args, const Plan& pla
     // NaN and Inf codes this decoder would read as finite values poison the rows that see their
     // token (non_finite_codes-inl.h); a NaN l stays NaN through the softmax updates and P . V.
     // Scanned here, not before the scores: the tile's V rows have been prefetched by now, and a
-    // scan ahead of them stalled on memory (0.75-0.85x the step's time on an AVX2 Zen 3 for
-    // fp8_e4m3, docs/cpu-experiments.md).
-    if (scan_codes && (RowsHaveNonFiniteCode(geo.format, bases, count, k_offsets, heads, row_bytes) ||
-                       RowsHaveNonFiniteCode(geo.format, bases, count, v_offsets, heads, row_bytes))) {
+    // scan ahead of them stalled on memory (fp8_e4m3 steps of 4 and 8 rows took 0.75-0.76x the
+    // time on an AVX2 Zen 3, docs/cpu-experiments.md).
+    if (scan_codes &&
+        (RowsHaveNonFiniteCode(geo.format, bases, count, k_offsets, heads, row_bytes) ||
+         RowsHaveNonFiniteCode(geo.format, bases, count, v_offsets, heads, row_bytes))) {
       for (int h = 0; h < heads; ++h) {
         HeadState& hs = head_state[h];
         for (int t = 0; t < count; ++t) {

@@ -49,53 +49,37 @@ constexpr bool ScansForNonFiniteCodes(Format format) {
   return format != Format::fp16;
 }
 
-// Folds (code & mask) over `bytes` bytes at `row` into the running maxima `top` (whole vectors of
-// D) and `tail` (16-byte vectors, for the rest: a row is a whole number of 16 bytes). A maximum
-// reaches the mask exactly when some code's exponent field is all ones (e5m2, fp16), or its
-// exponent and mantissa are (e4m3's NaN).
-template <class D, class D16>
-HWY_INLINE void FoldTopCodes(D d, D16 d16, const std::uint8_t* HWY_RESTRICT row, std::size_t bytes,
-                             hn::Vec<D> mask, hn::Vec<D16> mask16, hn::Vec<D>& top,
-                             hn::Vec<D16>& tail) {
-  const hn::Repartition<std::uint8_t, D> d8;
-  const hn::Repartition<std::uint8_t, D16> d8_16;
-  std::size_t i = 0;
-  for (; i + hn::Lanes(d8) <= bytes; i += hn::Lanes(d8)) {
-    top = hn::Max(top, hn::And(hn::BitCast(d, hn::LoadU(d8, row + i)), mask));
-  }
-  for (; i < bytes; i += 16) {
-    tail = hn::Max(tail, hn::And(hn::BitCast(d16, hn::LoadU(d8_16, row + i)), mask16));
-  }
-}
-
 // Whether any of the rows at bases[t] + offsets[h] (t < tokens, h < heads), of `row_bytes` bytes
-// each, holds a NaN or Inf code of `format` (fp16, fp8_e4m3 or fp8_e5m2). One reduction for
-// them all: a tile's rows almost never hold one, and a reduction per row cost as much as the
-// scan itself.
+// each, holds a NaN or Inf code of `format` (fp16, fp8_e4m3 or fp8_e5m2): the largest of
+// (code & mask) over them reaches the mask exactly when some code's exponent field is all ones
+// (e5m2, fp16), or its exponent and mantissa are (e4m3's NaN). Vectors of at most 32 bytes, which
+// divide every row (D is a multiple of 32); one reduction for all the rows: a tile's rows almost
+// never hold such a code, and a reduction per row cost as much as the scan itself.
 HWY_INLINE bool RowsHaveNonFiniteCode(Format format, const std::uint8_t* const* bases, int tokens,
                                       const std::int64_t* offsets, int heads,
                                       std::size_t row_bytes) {
   const auto scan = [&](auto d, auto mask_value) {
-    const hn::CappedTag<hn::TFromD<decltype(d)>, 16 / sizeof(mask_value)> d16;
+    const hn::Repartition<std::uint8_t, decltype(d)> d8;
     const auto mask = hn::Set(d, mask_value);
-    const auto mask16 = hn::Set(d16, mask_value);
     auto top = hn::Zero(d);
-    auto tail = hn::Zero(d16);
     for (int t = 0; t < tokens; ++t) {
       for (int h = 0; h < heads; ++h) {
-        FoldTopCodes(d, d16, bases[t] + offsets[h], row_bytes, mask, mask16, top, tail);
+        const std::uint8_t* HWY_RESTRICT row = bases[t] + offsets[h];
+        for (std::size_t i = 0; i < row_bytes; i += hn::Lanes(d8)) {
+          top = hn::Max(top, hn::And(hn::BitCast(d, hn::LoadU(d8, row + i)), mask));
+        }
       }
     }
-    return !hn::AllFalse(d, hn::Eq(top, mask)) || !hn::AllFalse(d16, hn::Eq(tail, mask16));
+    return !hn::AllFalse(d, hn::Eq(top, mask));
   };
-  if (format == Format::fp16) return scan(hn::ScalableTag<std::uint16_t>(), std::uint16_t{0x7C00});
-  return scan(hn::ScalableTag<std::uint8_t>(),
+  if (format == Format::fp16)
+    return scan(hn::CappedTag<std::uint16_t, 16>(), std::uint16_t{0x7C00});
+  return scan(hn::CappedTag<std::uint8_t, 32>(),
               std::uint8_t(format == Format::fp8_e4m3 ? 0x7F : 0x7C));
 }
 
 // Whether the row holds a NaN or Inf code of `format`.
-HWY_INLINE bool RowHasNonFiniteCode(Format format, const std::uint8_t* row,
-                                    std::size_t row_bytes) {
+HWY_INLINE bool RowHasNonFiniteCode(Format format, const std::uint8_t* row, std::size_t row_bytes) {
   const std::int64_t offset = 0;
   return RowsHaveNonFiniteCode(format, &row, 1, &offset, 1, row_bytes);
 }
