@@ -24,6 +24,8 @@
 //   pfp32_vs_pbf16  P in fp32 against P in bf16 (P . V on AMX tiles, or the bf16 dot products
 //                   where there are no tiles: the question for Zen 4 / 5), Q as the backend's
 //                   auto modes take it for bf16 queries (int8 where it runs, else bf16)
+//   pfp32_vs_pfp16  P in fp32 against P in fp16 (P . V on fp16 FMAs with AVX512-FP16, else the
+//                   same fp32 FMAs over P rounded to fp16; the formats P fp16 takes), Q as above
 //   fma_vs_dot      Q . K on fp32 FMAs (CpuKernelOptions::bf16_dot off) against the dot products
 //                   (the tiles off, so that they take the 4 rows where there are tiles)
 //   noamx_vs_amx    q_len 4 (16 rows): the tiles off against on
@@ -294,6 +296,10 @@ const int registered = [] {
           ->Unit(benchmark::kMicrosecond);
     }
     if (format != Format::bf16 && format != Format::fp16) {
+      benchmark::RegisterBenchmark(("Pair" + shape + "q_len1/pfp32_vs_pfp16").c_str(), Pair, format,
+                                   4, 1, Variant{std::nullopt, PMode::fp32},
+                                   Variant{std::nullopt, PMode::fp16})
+          ->Unit(benchmark::kMicrosecond);
       Variant avoid, make;
       avoid.avoid_subnormals = true;
       make.avoid_subnormals = false;

@@ -639,7 +639,7 @@ HWY_NOINLINE void ScoresInt8(const std::int8_t* HWY_RESTRICT q_bytes,
 
 HWY_POP_ATTRIBUTES
 
-#else  // AVX2, AVX3 and Arm: key by key, 4 rows at a time
+#else  // AVX2, AVX3 and Arm: 4 rows at a time
 
 #if MJOLNIR_INT8_DOT_ARM
 // sdot needs the dot-product extension, which the Arm targets' own options (Highway's NEON:
@@ -703,92 +703,8 @@ HWY_INLINE void Int8RowScores(const std::int8_t* HWY_RESTRICT q, std::size_t d,
   }
 }
 
-#else  // AVX2 and AVX3
-
-// The scores (scale times the sums) of kRows query rows (q_bytes d apart, starting at start[0 ..
-// kRows)) for one key: each chunk decoded once for all of them, then per row 4 vpmaddubsw and
-// vpmaddwd into the int32 lanes, which are summed (4 rows by three vphaddd). A vpmaddubsw int16
-// lane is at most 2 x 2 kBias x 127: for e2m1 (2 x 24 x 127) the four add up below 2^15 and take
-// one vpmaddwd; for e2m3 (2 x 120 x 127) each takes its own.
-template <class Dec, int kRows>
-HWY_INLINE void Int8RowScores(const std::int8_t* HWY_RESTRICT q, std::size_t d,
-                              const std::int32_t* start, const std::uint8_t* k,
-                              const typename Dec::State& state, float scale, float* out) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  constexpr int kLaneMax = 2 * 2 * Dec::kBias * 127;  // of one vpmaddubsw's int16 lanes
-  static_assert(kLaneMax < 32768, "vpmaddubsw would saturate");
-  if constexpr (Dec::kBlockScales) {
-    static_assert(2 * kLaneMax < 32768, "two vpmaddubsw are added in int16");
-    // Each half's int32 lanes (blocks' sums, from the row's per-lane starts) converted and
-    // multiplied into fp32 by their blocks' scales; the lanes summed at the end.
-    const std::size_t chunks = d / kInt8Chunk;
-    __m256 f[kRows];
-    for (int r = 0; r < kRows; ++r) f[r] = _mm256_setzero_ps();
-    for (std::size_t c = 0; c < chunks; ++c) {
-      __m256i x[4];
-      Dec::Decode(state, k, c, x);
-      __m256 scales[2];
-      Dec::HalfScales(k, c, d, scales);
-      for (int r = 0; r < kRows; ++r) {
-        const auto* qc = reinterpret_cast<const __m256i*>(q + r * d + c * kInt8Chunk);
-        const auto* first = reinterpret_cast<const __m256i*>(start + (r * chunks + c) * 16);
-        for (int m = 0; m < 2; ++m) {
-          const __m256i pairs = _mm256_add_epi16(
-              _mm256_maddubs_epi16(x[2 * m], _mm256_loadu_si256(qc + 2 * m)),
-              _mm256_maddubs_epi16(x[2 * m + 1], _mm256_loadu_si256(qc + 2 * m + 1)));
-          const __m256i sums =
-              _mm256_add_epi32(_mm256_loadu_si256(first + m), _mm256_madd_epi16(pairs, ones));
-          f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scales[m], f[r]);
-        }
-      }
-    }
-    for (int r = 0; r < kRows; ++r) {
-      const __m128 four = _mm_add_ps(_mm256_castps256_ps128(f[r]), _mm256_extractf128_ps(f[r], 1));
-      const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
-      out[r] = _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two))) * scale;
-    }
-    return;
-  }
-  __m256i a[kRows];
-  for (int r = 0; r < kRows; ++r) a[r] = _mm256_setr_epi32(start[r], 0, 0, 0, 0, 0, 0, 0);
-  for (std::size_t c = 0; c < d / kInt8Chunk; ++c) {
-    __m256i x[4];
-    Dec::Decode(state, k, c, x);
-    for (int r = 0; r < kRows; ++r) {
-      const auto* qc = reinterpret_cast<const __m256i*>(q + r * d + c * kInt8Chunk);
-      __m256i products[4];
-      for (int j = 0; j < 4; ++j) {
-        products[j] = _mm256_maddubs_epi16(x[j], _mm256_loadu_si256(qc + j));
-      }
-      if constexpr (4 * kLaneMax < 32768) {
-        const __m256i s01 = _mm256_add_epi16(products[0], products[1]);
-        const __m256i s23 = _mm256_add_epi16(products[2], products[3]);
-        a[r] = _mm256_add_epi32(a[r], _mm256_madd_epi16(_mm256_add_epi16(s01, s23), ones));
-      } else {
-        for (const __m256i& p : products) a[r] = _mm256_add_epi32(a[r], _mm256_madd_epi16(p, ones));
-      }
-    }
-  }
-  if constexpr (kRows == 4) {
-    const __m256i h =
-        _mm256_hadd_epi32(_mm256_hadd_epi32(a[0], a[1]), _mm256_hadd_epi32(a[2], a[3]));
-    const __m128i sums = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
-    _mm_storeu_ps(out, _mm_mul_ps(_mm_cvtepi32_ps(sums), _mm_set1_ps(scale)));
-  } else {
-    for (int r = 0; r < kRows; ++r) {
-      alignas(32) std::int32_t lanes[8];
-      _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), a[r]);
-      std::int32_t sum = 0;
-      for (const std::int32_t x : lanes) sum += x;
-      out[r] = static_cast<float>(sum) * scale;
-    }
-  }
-}
-
-#endif  // MJOLNIR_INT8_DOT_ARM
-
-// As the AVX-512 ScoresInt8, key by key, 4 rows at a time (16 registers on AVX2): each key's
-// chunk is decoded once per 4 rows.
+// As the AVX-512 ScoresInt8, key by key, 4 rows at a time: each key's chunk is decoded once per
+// 4 rows.
 template <class Dec>
 HWY_NOINLINE void ScoresInt8(const std::int8_t* HWY_RESTRICT q_bytes,
                              const std::int32_t* HWY_RESTRICT start, int rows, std::size_t d,
@@ -812,6 +728,169 @@ HWY_NOINLINE void ScoresInt8(const std::int8_t* HWY_RESTRICT q_bytes,
     }
   }
 }
+
+#else  // AVX2 and AVX3
+
+// The lanes of kRows query rows' sums (q_bytes d apart, starting at start[0 .. kRows)) for one
+// key, whose lane sum is the row's score over the scale: each chunk decoded once for all of
+// them, then per row 4 vpmaddubsw and vpmaddwd into int32 lanes (returned as their bits), or
+// with block scales each half's int32 lanes (blocks' sums, from the row's per-lane starts)
+// converted and multiplied into fp32 lanes by their blocks' scales. A vpmaddubsw int16 lane is
+// at most 2 x 2 kBias x 127: for e2m1 (2 x 24 x 127) the four add up below 2^15 and take one
+// vpmaddwd; for e2m3 (2 x 120 x 127) each takes its own.
+template <class Dec, int kRows>
+HWY_INLINE void Int8RowLanes(const std::int8_t* HWY_RESTRICT q, std::size_t d,
+                             const std::int32_t* start, const std::uint8_t* k,
+                             const typename Dec::State& state, __m256 (&lanes)[kRows]) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  constexpr int kLaneMax = 2 * 2 * Dec::kBias * 127;  // of one vpmaddubsw's int16 lanes
+  static_assert(kLaneMax < 32768, "vpmaddubsw would saturate");
+  if constexpr (Dec::kBlockScales) {
+    static_assert(2 * kLaneMax < 32768, "two vpmaddubsw are added in int16");
+    const std::size_t chunks = d / kInt8Chunk;
+    for (int r = 0; r < kRows; ++r) lanes[r] = _mm256_setzero_ps();
+    for (std::size_t c = 0; c < chunks; ++c) {
+      __m256i x[4];
+      Dec::Decode(state, k, c, x);
+      __m256 scales[2];
+      Dec::HalfScales(k, c, d, scales);
+      for (int r = 0; r < kRows; ++r) {
+        const auto* qc = reinterpret_cast<const __m256i*>(q + r * d + c * kInt8Chunk);
+        const auto* first = reinterpret_cast<const __m256i*>(start + (r * chunks + c) * 16);
+        for (int m = 0; m < 2; ++m) {
+          const __m256i pairs = _mm256_add_epi16(
+              _mm256_maddubs_epi16(x[2 * m], _mm256_loadu_si256(qc + 2 * m)),
+              _mm256_maddubs_epi16(x[2 * m + 1], _mm256_loadu_si256(qc + 2 * m + 1)));
+          const __m256i sums =
+              _mm256_add_epi32(_mm256_loadu_si256(first + m), _mm256_madd_epi16(pairs, ones));
+          lanes[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scales[m], lanes[r]);
+        }
+      }
+    }
+    return;
+  }
+  __m256i a[kRows];
+  for (int r = 0; r < kRows; ++r) a[r] = _mm256_setr_epi32(start[r], 0, 0, 0, 0, 0, 0, 0);
+  for (std::size_t c = 0; c < d / kInt8Chunk; ++c) {
+    __m256i x[4];
+    Dec::Decode(state, k, c, x);
+    for (int r = 0; r < kRows; ++r) {
+      const auto* qc = reinterpret_cast<const __m256i*>(q + r * d + c * kInt8Chunk);
+      __m256i products[4];
+      for (int j = 0; j < 4; ++j) {
+        products[j] = _mm256_maddubs_epi16(x[j], _mm256_loadu_si256(qc + j));
+      }
+      if constexpr (4 * kLaneMax < 32768) {
+        const __m256i s01 = _mm256_add_epi16(products[0], products[1]);
+        const __m256i s23 = _mm256_add_epi16(products[2], products[3]);
+        a[r] = _mm256_add_epi32(a[r], _mm256_madd_epi16(_mm256_add_epi16(s01, s23), ones));
+      } else {
+        for (const __m256i& p : products) a[r] = _mm256_add_epi32(a[r], _mm256_madd_epi16(p, ones));
+      }
+    }
+  }
+  for (int r = 0; r < kRows; ++r) lanes[r] = _mm256_castsi256_ps(a[r]);
+}
+
+// The lane sums of 8 vectors, v[i]'s in lane i: int32 lanes (kInt, as their bits) or fp32 ones,
+// each summed in the order of SumLanes1 (lanes l and l + 4, then l and l + 2, then 0 and 1), so
+// the fp32 sums are the same bits. 22 ops for 8 sums, where summing each vector alone took 6 and
+// a chain of their latencies.
+template <bool kInt>
+HWY_INLINE __m256 SumLanes8(const __m256 (&v)[8]) {
+  const auto add = [](__m256 a, __m256 b) {
+    if constexpr (kInt) {
+      return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(a), _mm256_castps_si256(b)));
+    } else {
+      return _mm256_add_ps(a, b);
+    }
+  };
+  __m256 halves[4];  // vectors 2i (low 128 bits) and 2i + 1 (high): lanes l + (l + 4)
+  for (int i = 0; i < 4; ++i) {
+    halves[i] = add(_mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x20),
+                    _mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x31));
+  }
+  __m256 pairs[2];  // vectors 4i, 4i + 2 | 4i + 1, 4i + 3: two partial sums each
+  for (int i = 0; i < 2; ++i) {
+    pairs[i] = add(_mm256_shuffle_ps(halves[2 * i], halves[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                   _mm256_shuffle_ps(halves[2 * i], halves[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  const __m256 sums =  // vectors 0, 2, 4, 6 | 1, 3, 5, 7
+      add(_mm256_shuffle_ps(pairs[0], pairs[1], _MM_SHUFFLE(2, 0, 2, 0)),
+          _mm256_shuffle_ps(pairs[0], pairs[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm256_permutevar8x32_ps(sums, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+// The lane sum of one vector, in SumLanes8's order.
+template <bool kInt>
+HWY_INLINE float SumLanes1(__m256 v) {
+  if constexpr (kInt) {
+    const __m128i four = _mm_add_epi32(_mm256_castsi256_si128(_mm256_castps_si256(v)),
+                                       _mm256_extracti128_si256(_mm256_castps_si256(v), 1));
+    const __m128i two = _mm_add_epi32(four, _mm_unpackhi_epi64(four, four));
+    return static_cast<float>(_mm_cvtsi128_si32(two) + _mm_extract_epi32(two, 1));
+  } else {
+    const __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+    return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
+  }
+}
+
+// As the AVX-512 ScoresInt8, 4 rows at a time (16 registers on AVX2), each key's chunk decoded
+// once per 4 rows. Keys go in groups of 8 whose lanes wait in L1 and are summed together
+// (SumLanes8): summing each key's lanes on its own put a chain of shuffles and a scattered store
+// after every key, and a third of the function's time on them (perf, docs/cpu-experiments.md).
+template <class Dec>
+HWY_NOINLINE void ScoresInt8(const std::int8_t* HWY_RESTRICT q_bytes,
+                             const std::int32_t* HWY_RESTRICT start, int rows, std::size_t d,
+                             const std::uint8_t* const* bases, std::int64_t offset, int count,
+                             float scale, float* HWY_RESTRICT scores, std::size_t stride,
+                             TilePrefetcher& prefetch, int prefetch_per_key) {
+  constexpr bool kInt = !Dec::kBlockScales;
+  constexpr int kGroup = 8;
+  const auto state = Dec::MakeState();
+  const __m256 scale8 = _mm256_set1_ps(scale);
+  for (int t0 = 0; t0 < count; t0 += kGroup) {
+    const int keys = std::min(kGroup, count - t0);
+    prefetch.Issue(keys * prefetch_per_key);
+    int r = 0;
+    for (; r + 4 <= rows; r += 4) {
+      __m256 lanes[4][kGroup];
+      for (int i = 0; i < keys; ++i) {
+        __m256 key_lanes[4];
+        Int8RowLanes<Dec, 4>(q_bytes + r * d, d, start + r * StartsPerRow<Dec>(d),
+                             bases[t0 + i] + offset, state, key_lanes);
+        for (int j = 0; j < 4; ++j) lanes[j][i] = key_lanes[j];
+      }
+      for (int i = keys; i < kGroup; ++i) {
+        for (auto& row : lanes) row[i] = _mm256_setzero_ps();
+      }
+      for (int j = 0; j < 4; ++j) {
+        __m256 sums = SumLanes8<kInt>(lanes[j]);
+        if constexpr (kInt) sums = _mm256_cvtepi32_ps(_mm256_castps_si256(sums));
+        sums = _mm256_mul_ps(sums, scale8);
+        float* out = scores + (r + j) * stride + t0;
+        if (keys == kGroup) {
+          _mm256_storeu_ps(out, sums);
+        } else {
+          alignas(32) float s[kGroup];
+          _mm256_store_ps(s, sums);
+          std::copy_n(s, keys, out);
+        }
+      }
+    }
+    for (; r < rows; ++r) {
+      for (int i = 0; i < keys; ++i) {
+        __m256 row_lanes[1];
+        Int8RowLanes<Dec, 1>(q_bytes + r * d, d, start + r * StartsPerRow<Dec>(d),
+                             bases[t0 + i] + offset, state, row_lanes);
+        scores[r * stride + t0 + i] = SumLanes1<kInt>(row_lanes[0]) * scale;
+      }
+    }
+  }
+}
+
+#endif  // MJOLNIR_INT8_DOT_ARM
 
 #if MJOLNIR_INT8_DOT_ARM
 HWY_POP_ATTRIBUTES
