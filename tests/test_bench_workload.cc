@@ -6,7 +6,11 @@
 
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <string>
 
+#include "bench_series.h"
 #include "bench_workload.h"
 #include "test_seed.h"
 
@@ -67,6 +71,26 @@ TEST(RotatingCaches, TheMemoryLimitCapsTheCopies) {
   const RotatingCaches one(SmallSpec(Format::fp8_e4m3, 128), 64 * kMiB, 1 * kKiB);
   EXPECT_EQ(one.copies(), 1);
   ExpectBackToBackCopies(one);
+}
+
+// A sweep's results file never replaces an earlier one of the same name (same day, machine and
+// modes): the next free -2, -3, ... is taken. (A second sweep once overwrote the first's file.)
+TEST(SweepResultsPath, TakesTheNextFreeNumber) {
+  const std::filesystem::path dir = std::filesystem::path(::testing::TempDir()) /
+                                    ("mjolnir-results-" + std::to_string(test_seed()));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  const std::string first =
+      sweep_results_path(dir.string(), "cpu", "2026-12-07", "AMD EPYC (Zen 3) 2t", "auto", "auto");
+  EXPECT_EQ(first, (dir / "cpu-sweep-2026-12-07-amd-epyc-zen-3-2t-auto.json").string());
+  EXPECT_EQ(unused_results_path(first), first);
+  std::ofstream(first) << "{}";
+  const std::string second = unused_results_path(first);
+  EXPECT_EQ(second, (dir / "cpu-sweep-2026-12-07-amd-epyc-zen-3-2t-auto-2.json").string());
+  std::ofstream(second) << "{}";
+  EXPECT_EQ(unused_results_path(first),
+            (dir / "cpu-sweep-2026-12-07-amd-epyc-zen-3-2t-auto-3.json").string());
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 
 #include <cctype>
 #include <charconv>
+#include <filesystem>
 #include <iterator>
 #include <string_view>
 
@@ -94,6 +95,17 @@ std::string sweep_results_path(const std::string& dir, const std::string& backen
   }
   return dir + "/" + backend + "-sweep-" + date + "-" + (slug.empty() ? "unknown" : slug) + modes +
          ".json";
+}
+
+std::string unused_results_path(const std::string& path) {
+  if (!std::filesystem::exists(path)) return path;
+  const std::filesystem::path given(path);
+  const std::string stem = (given.parent_path() / given.stem()).string();
+  const std::string extension = given.extension().string();
+  for (int n = 2;; ++n) {
+    std::string candidate = stem + "-" + std::to_string(n) + extension;
+    if (!std::filesystem::exists(candidate)) return candidate;
+  }
 }
 
 }  // namespace mjolnir::tools

@@ -40,5 +40,8 @@ std::vector<Series> sweep_series(bool on_gpu);
 std::string sweep_results_path(const std::string& dir, const std::string& backend,
                                const std::string& date, const std::string& machine,
                                const std::string& q_mode, const std::string& p_mode);
+// `path` where no file has that name, else the first free one of path-2.json, path-3.json, ...:
+// a second sweep on the same day and machine keeps the first one's results.
+std::string unused_results_path(const std::string& path);
 
 }  // namespace mjolnir::tools

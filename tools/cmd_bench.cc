@@ -331,8 +331,9 @@ int run_bench(const BenchOptions& options) {
     const std::string machine = limit.machine.contains("gpu")
                                     ? limit.machine["gpu"].get<std::string>()
                                     : cpu_model_name() + " " + std::to_string(threads) + "t";
-    json_path = sweep_results_path(options.results_dir, std::string(backend->name()), utc_date(),
-                                   machine, options.q_mode, options.p_mode);
+    json_path = unused_results_path(sweep_results_path(options.results_dir,
+                                                       std::string(backend->name()), utc_date(),
+                                                       machine, options.q_mode, options.p_mode));
   }
   std::ofstream json_file;
   if (!json_path.empty()) {
