@@ -10,6 +10,7 @@
 #include <fstream>
 #include <string>
 
+#include "bench_report.h"
 #include "bench_series.h"
 #include "bench_workload.h"
 #include "test_seed.h"
@@ -91,6 +92,29 @@ TEST(SweepResultsPath, TakesTheNextFreeNumber) {
   EXPECT_EQ(unused_results_path(first),
             (dir / "cpu-sweep-2026-12-07-amd-epyc-zen-3-2t-auto-3.json").string());
   std::filesystem::remove_all(dir);
+}
+
+// The workload line says which mode each format ran in when "auto" picked different ones.
+TEST(WorkloadModes, NameWhatAutoPickedForWhichFormat) {
+  const auto spec = [](Format format, QMode q, PMode p) {
+    verify::ProblemSpec s;
+    s.format = format;
+    s.params.q_mode = q;
+    s.params.p_mode = p;
+    return s;
+  };
+  const std::vector<verify::ProblemSpec> specs = {spec(Format::bf16, QMode::bf16, PMode::bf16),
+                                                  spec(Format::fp4_e2m1, QMode::int8, PMode::bf16),
+                                                  spec(Format::fp8_e4m3, QMode::bf16, PMode::bf16),
+                                                  spec(Format::nvfp4, QMode::int8, PMode::fp32),
+                                                  spec(Format::fp6_e3m2, QMode::bf16, PMode::bf16)};
+  EXPECT_EQ(describe_modes("auto", specs, &DecodeParams::q_mode),
+            "auto (int8 for fp4_e2m1, nvfp4; bf16 for the rest)");
+  EXPECT_EQ(describe_modes("auto", specs, &DecodeParams::p_mode),
+            "auto (fp32 for nvfp4; bf16 for the rest)");
+  EXPECT_EQ(describe_modes("auto", {specs[0], specs[2]}, &DecodeParams::q_mode), "auto: bf16");
+  EXPECT_EQ(describe_modes("fp32", specs, &DecodeParams::p_mode), "fp32");
+  EXPECT_EQ(describe_modes("auto", {}, &DecodeParams::p_mode), "auto");
 }
 
 }  // namespace

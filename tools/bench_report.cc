@@ -1,13 +1,46 @@
 // `mjolnir bench`'s table and results entries (bench_report.h).
 #include "bench_report.h"
 
+#include <algorithm>
 #include <cstdio>
+#include <utility>
 
 namespace mjolnir::tools {
 
 namespace {
 constexpr double kMiB = double(std::size_t{1} << 20);
 }  // namespace
+
+template <class Mode>
+std::string describe_modes(const std::string& option, const std::vector<verify::ProblemSpec>& specs,
+                           Mode DecodeParams::*mode) {
+  if (option != "auto") return option;
+  if (specs.empty()) return "auto";
+  // The modes in the order they first appear, each with its formats.
+  std::vector<std::pair<Mode, std::vector<std::string>>> groups;
+  for (const verify::ProblemSpec& spec : specs) {
+    auto group = std::find_if(groups.begin(), groups.end(),
+                              [&](const auto& g) { return g.first == spec.params.*mode; });
+    if (group == groups.end()) group = groups.insert(groups.end(), {spec.params.*mode, {}});
+    group->second.emplace_back(to_string(spec.format));
+  }
+  if (groups.size() == 1) return "auto: " + std::string(to_string(groups.front().first));
+  std::stable_sort(groups.begin(), groups.end(),
+                   [](const auto& a, const auto& b) { return a.second.size() < b.second.size(); });
+  std::string text = "auto (";
+  for (std::size_t i = 0; i + 1 < groups.size(); ++i) {
+    text += std::string(to_string(groups[i].first)) + " for ";
+    for (std::size_t j = 0; j < groups[i].second.size(); ++j) {
+      text += (j == 0 ? "" : ", ") + groups[i].second[j];
+    }
+    text += "; ";
+  }
+  return text + std::string(to_string(groups.back().first)) + " for the rest)";
+}
+template std::string describe_modes(const std::string&, const std::vector<verify::ProblemSpec>&,
+                                    QMode DecodeParams::*);
+template std::string describe_modes(const std::string&, const std::vector<verify::ProblemSpec>&,
+                                    PMode DecodeParams::*);
 
 void print_table_header() {
   std::printf("%-9s %6s %8s %6s %12s %10s %8s %8s %7s %10s\n", "format", "batch", "context",

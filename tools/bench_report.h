@@ -4,6 +4,7 @@
 
 #include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
 
 #include "bench_workload.h"
 #include "verify/problem.h"
@@ -28,6 +29,14 @@ struct Row {
   int batch() const { return static_cast<int>(spec.seq_lens.size()); }
   int context() const { return spec.seq_lens.empty() ? 0 : spec.seq_lens[0]; }
 };
+
+// How the workload line names the Q or P mode of the formats in `specs`: the option as given
+// ("bf16"); "auto: bf16" where the backend picked one mode for every format; else what it picked
+// for which, the most common mode last, "auto (int8 for fp4_e2m1, nvfp4; bf16 for the rest)", so
+// that each row can be read against docs/accuracy.md's modes.
+template <class Mode>
+std::string describe_modes(const std::string& option, const std::vector<verify::ProblemSpec>& specs,
+                           Mode DecodeParams::*mode);
 
 // The table's header and one row of it, on stdout.
 void print_table_header();

@@ -91,18 +91,6 @@ verify::ProblemSpec with_format(verify::ProblemSpec spec, const BenchOptions& op
   return spec;
 }
 
-// "bf16", or "auto: bf16" when the backend picked it for every format, else "auto".
-template <class Mode>
-std::string mode_description(const std::string& option,
-                             const std::vector<verify::ProblemSpec>& specs,
-                             Mode DecodeParams::*mode) {
-  if (option != "auto") return option;
-  for (const verify::ProblemSpec& spec : specs) {
-    if (spec.params.*mode != specs.front().params.*mode) return "auto (per format)";
-  }
-  return specs.empty() ? "auto" : "auto: " + std::string(to_string(specs.front().params.*mode));
-}
-
 // "channel scales", or "channel scales (recommended)" when the flag is not given and the
 // formats share their recommended granularity, else "each format's recommended scales".
 std::string scales_description(const BenchOptions& options, const std::vector<Format>& formats) {
@@ -363,8 +351,8 @@ int run_bench(const BenchOptions& options) {
                 series.heads.num_kv_heads, series.head_dim, options.page_size,
                 std::string(to_string(base.layout)).c_str(),
                 scales_description(options, series.formats).c_str(),
-                mode_description(options.q_mode, per_format, &DecodeParams::q_mode).c_str(),
-                mode_description(options.p_mode, per_format, &DecodeParams::p_mode).c_str());
+                describe_modes(options.q_mode, per_format, &DecodeParams::q_mode).c_str(),
+                describe_modes(options.p_mode, per_format, &DecodeParams::p_mode).c_str());
     print_table_header();
     for (const int batch : series.batches) {
       for (const Format format : series.formats) {
