@@ -808,19 +808,23 @@ TEST(CpuKernelOptions, CountsBelongToACpuBackend) {
 // The CLI's and the Python package's switches: 0 and 1, unset or empty for the default, and an
 // error naming the variable for anything else.
 TEST(CpuKernelOptions, FromTheEnvironment) {
-  const char* names[] = {"MJOLNIR_CPU_BF16_DOT", "MJOLNIR_CPU_AMX", "MJOLNIR_CPU_AVOID_SUBNORMALS"};
+  const char* names[] = {"MJOLNIR_CPU_BF16_DOT", "MJOLNIR_CPU_AMX", "MJOLNIR_CPU_AVOID_SUBNORMALS",
+                         "MJOLNIR_CPU_BF16_DOT_VALUES"};
   for (const char* name : names) unsetenv(name);
   CpuKernelOptions options = mjolnir::cpu_kernel_options_from_environment();
   EXPECT_TRUE(options.bf16_dot);
   EXPECT_TRUE(options.amx);
   EXPECT_FALSE(options.avoid_fp32_subnormals.has_value());
+  EXPECT_FALSE(options.bf16_dot_values.has_value());
   setenv("MJOLNIR_CPU_BF16_DOT", "0", 1);
   setenv("MJOLNIR_CPU_AMX", "", 1);
   setenv("MJOLNIR_CPU_AVOID_SUBNORMALS", "1", 1);
+  setenv("MJOLNIR_CPU_BF16_DOT_VALUES", "0", 1);
   options = mjolnir::cpu_kernel_options_from_environment();
   EXPECT_FALSE(options.bf16_dot);
   EXPECT_TRUE(options.amx);
   EXPECT_EQ(options.avoid_fp32_subnormals, std::optional<bool>(true));
+  EXPECT_EQ(options.bf16_dot_values, std::optional<bool>(false));
   setenv("MJOLNIR_CPU_AMX", "off", 1);
   mjolnir::testing::expect_error([] { mjolnir::cpu_kernel_options_from_environment(); },
                                  "MJOLNIR_CPU_AMX: 'off' is neither 0 nor 1");
@@ -853,16 +857,20 @@ TEST(CpuInt8Dot, AutoModesPickInt8WhereItRuns) {
 }
 
 // P in fp16 where P . V runs on fp16 FMAs (every step of the formats P fp16 takes) that the AMX
-// tiles do not take; fp32 everywhere else (but P in bf16 on the tiles).
+// tiles do not take; fp32 everywhere else (but P in bf16 on the tiles, or on the dot products
+// where they pay: CpuDotValues below).
 TEST(CpuHalfValues, AutoModesPickFp16WhereItRunsAndPays) {
   const auto backend = make_backend("cpu", BackendOptions{.threads = 1});
   const bool tiles = cpu::cpu_has_amx() && cpu::cpu_has_bf16_dot();
+  const bool dot_values = cpu::kernel_config(*backend).bf16_dot_values;
   for (const Format format : kAllFormats) {
     for (const int d : {64, 128, 256}) {
       for (const int rows : {1, 4, 8, 16, 32, 128}) {
         const mjolnir::CacheGeometry geometry{format, 4, 16, 8, d};
         const mjolnir::NumericsModes modes = backend->auto_modes(geometry, rows, true);
-        if (tiles && rows >= 8 && format != Format::fp16 && d % 64 == 0) continue;  // P bf16
+        const bool words = format != Format::fp16 && d % 64 == 0;  // bf16_dot_applies
+        if (tiles && rows >= 8 && words) continue;                 // P bf16 on the tiles
+        if (dot_values && words && rows >= 8) continue;            // P bf16 on the dot products
         const bool half = cpu::half_values_apply(format, d);
         EXPECT_EQ(modes.p_mode, half ? PMode::fp16 : PMode::fp32)
             << to_string(format) << " D " << d << " rows " << rows;
@@ -1000,6 +1008,34 @@ TEST(CpuBf16Dot, ValuesMatchEmulator) {
   ExpectValuesOnPathMatchEmulator(*backend, &cpu::KernelPathCounts::dot_values,
                                   mjolnir::testing::test_seed() + 43);
   EXPECT_EQ(cpu::kernel_path_counts(*backend).amx_values, 0u);
+}
+
+// The auto modes put P in bf16 from 8 query rows where P . V then runs on the dot products (no
+// tiles) on CPUs that issue them at an FMA's rate (AMD's), or when the options ask for it;
+// CpuBf16Dot.ValuesMatchEmulator checks those steps' results.
+TEST(CpuBf16Dot, AutoModesPutPInBf16WhereTheDotProductsPay) {
+  const auto by_default = make_backend("cpu", BackendOptions{.threads = 1});
+  const auto asked = make_backend(
+      "cpu", BackendOptions{.threads = 1, .cpu_kernels = {.amx = false, .bf16_dot_values = true}});
+  const auto refused = make_backend(
+      "cpu", BackendOptions{.threads = 1, .cpu_kernels = {.amx = false, .bf16_dot_values = false}});
+  const bool dots = cpu::cpu_has_bf16_dot();
+  EXPECT_EQ(cpu::kernel_config(*by_default).bf16_dot_values,
+            dots && !cpu::kernel_config(*by_default).amx && cpu::bf16_dot_at_fma_rate());
+  EXPECT_EQ(cpu::kernel_config(*asked).bf16_dot_values, dots);
+  EXPECT_FALSE(cpu::kernel_config(*refused).bf16_dot_values);
+  for (const Format format : kAllFormats) {
+    for (const int d : {64, 96, 128}) {
+      for (const int rows : {1, 4, 8, 32}) {
+        const mjolnir::CacheGeometry geometry{format, 4, 16, 8, d};
+        const bool pays = dots && format != Format::fp16 && d % 64 == 0 && rows >= 8;
+        const std::string where = std::string(to_string(format)) + " D " + std::to_string(d) +
+                                  " rows " + std::to_string(rows);
+        EXPECT_EQ(asked->auto_modes(geometry, rows, true).p_mode == PMode::bf16, pays) << where;
+        EXPECT_NE(refused->auto_modes(geometry, rows, true).p_mode, PMode::bf16) << where;
+      }
+    }
+  }
 }
 
 // Every item's token range is covered exactly once by the units, and token parts merge back.

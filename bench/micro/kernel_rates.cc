@@ -273,11 +273,22 @@ const int registered = [] {
       }
     }
   }
-  // Pairs, g 4: what the auto modes would choose between, on this CPU.
+  // Pairs, g 4 (and g 8 for P): what the auto modes would choose between, on this CPU.
   for (const Format format : kAllFormats) {
     const std::string shape = "/" + std::string(to_string(format)) + "/g4/";
     benchmark::RegisterBenchmark(("Pair" + shape + "q_len1/pfp32_vs_pbf16").c_str(), Pair, format,
                                  4, 1, Variant{std::nullopt, PMode::fp32},
+                                 Variant{std::nullopt, PMode::bf16})
+        ->Unit(benchmark::kMicrosecond);
+    // P in bf16 at 8 and 16 rows too, where the auto modes choose it from (on the tiles, or on
+    // the dot products where KernelConfig::bf16_dot_values).
+    const std::string g8 = "Pair/" + std::string(to_string(format)) + "/g8/";
+    benchmark::RegisterBenchmark((g8 + "q_len1/pfp32_vs_pbf16").c_str(), Pair, format, 8, 1,
+                                 Variant{std::nullopt, PMode::fp32},
+                                 Variant{std::nullopt, PMode::bf16})
+        ->Unit(benchmark::kMicrosecond);
+    benchmark::RegisterBenchmark(("Pair" + shape + "q_len4/pfp32_vs_pbf16").c_str(), Pair, format,
+                                 4, 4, Variant{std::nullopt, PMode::fp32},
                                  Variant{std::nullopt, PMode::bf16})
         ->Unit(benchmark::kMicrosecond);
     benchmark::RegisterBenchmark(("Pair" + shape + "q_len1/fma_vs_dot").c_str(), Pair, format, 4, 1,

@@ -291,10 +291,16 @@ struct CpuKernelOptions {
   // Decoders that never make an fp32 subnormal, whose FMAs take a microcode assist on Intel
   // cores. Unset: where this CPU's subnormal FMAs are slow.
   std::optional<bool> avoid_fp32_subnormals;
+  // The auto modes round P to bf16 from 8 query rows where P . V then runs on the bf16 dot
+  // products without AMX tiles. Unset: where a vdpbf16ps issues at an fp32 FMA's rate with twice
+  // its multiply-adds (AMD's cores, Zen 4 and later); on Intel's it costs about four FMAs and P in
+  // fp32 is faster.
+  std::optional<bool> bf16_dot_values;
 };
 
 // What the environment asks for: MJOLNIR_CPU_BF16_DOT=0 and MJOLNIR_CPU_AMX=0 turn those off,
-// MJOLNIR_CPU_AVOID_SUBNORMALS=1 or 0 sets the decoders; anything else keeps the default. The
+// MJOLNIR_CPU_AVOID_SUBNORMALS=1 or 0 sets the decoders, MJOLNIR_CPU_BF16_DOT_VALUES=1 or 0 the
+// auto P mode over the dot products; anything else keeps the default. The
 // library reads no environment of its own: the CLI and the Python package pass this to
 // make_backend. Throws Error naming the variable for a value other than 0 or 1.
 CpuKernelOptions cpu_kernel_options_from_environment();

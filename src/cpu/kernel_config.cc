@@ -6,6 +6,7 @@
 
 #include "cpu/amx.h"
 #include "cpu/attention_kernel.h"
+#include "cpu/cpu_vendor.h"
 #include "cpu/subnormals.h"
 #include "mjolnir/error.h"
 
@@ -28,10 +29,13 @@ CpuKernelOptions cpu_kernel_options_from_environment() {
   options.bf16_dot = environment_switch("MJOLNIR_CPU_BF16_DOT").value_or(true);
   options.amx = environment_switch("MJOLNIR_CPU_AMX").value_or(true);
   options.avoid_fp32_subnormals = environment_switch("MJOLNIR_CPU_AVOID_SUBNORMALS");
+  options.bf16_dot_values = environment_switch("MJOLNIR_CPU_BF16_DOT_VALUES");
   return options;
 }
 
 namespace cpu {
+
+bool bf16_dot_at_fma_rate() { return cpu_vendor() == CpuVendor::amd; }
 
 KernelConfig resolve_kernel_config(const CpuKernelOptions& options) {
   KernelConfig config;
@@ -39,6 +43,8 @@ KernelConfig resolve_kernel_config(const CpuKernelOptions& options) {
   config.amx = options.amx && config.bf16_dot && cpu_has_amx();
   config.bf16_dot_below_tiles = config.bf16_dot && !config.amx;
   config.avoid_fp32_subnormals = options.avoid_fp32_subnormals.value_or(fp32_subnormals_are_slow());
+  config.bf16_dot_values =
+      config.bf16_dot && !config.amx && options.bf16_dot_values.value_or(bf16_dot_at_fma_rate());
   return config;
 }
 
