@@ -870,7 +870,7 @@ TEST(CpuHalfValues, AutoModesPickFp16WhereItRunsAndPays) {
         const mjolnir::NumericsModes modes = backend->auto_modes(geometry, rows, true);
         const bool words = format != Format::fp16 && d % 64 == 0;  // bf16_dot_applies
         if (tiles && rows >= 8 && words) continue;                 // P bf16 on the tiles
-        if (dot_values && words && rows >= 8) continue;            // P bf16 on the dot products
+        if (dot_values && words && rows >= 16) continue;           // P bf16 on the dot products
         const bool half = cpu::half_values_apply(format, d);
         EXPECT_EQ(modes.p_mode, half ? PMode::fp16 : PMode::fp32)
             << to_string(format) << " D " << d << " rows " << rows;
@@ -1010,7 +1010,7 @@ TEST(CpuBf16Dot, ValuesMatchEmulator) {
   EXPECT_EQ(cpu::kernel_path_counts(*backend).amx_values, 0u);
 }
 
-// The auto modes put P in bf16 from 8 query rows where P . V then runs on the dot products (no
+// The auto modes put P in bf16 from 16 query rows where P . V then runs on the dot products (no
 // tiles) on CPUs that issue them at an FMA's rate (AMD's), or when the options ask for it;
 // CpuBf16Dot.ValuesMatchEmulator checks those steps' results.
 TEST(CpuBf16Dot, AutoModesPutPInBf16WhereTheDotProductsPay) {
@@ -1026,9 +1026,9 @@ TEST(CpuBf16Dot, AutoModesPutPInBf16WhereTheDotProductsPay) {
   EXPECT_FALSE(cpu::kernel_config(*refused).bf16_dot_values);
   for (const Format format : kAllFormats) {
     for (const int d : {64, 96, 128}) {
-      for (const int rows : {1, 4, 8, 32}) {
+      for (const int rows : {1, 4, 8, 15, 16, 128}) {
         const mjolnir::CacheGeometry geometry{format, 4, 16, 8, d};
-        const bool pays = dots && format != Format::fp16 && d % 64 == 0 && rows >= 8;
+        const bool pays = dots && format != Format::fp16 && d % 64 == 0 && rows >= 16;
         const std::string where = std::string(to_string(format)) + " D " + std::to_string(d) +
                                   " rows " + std::to_string(rows);
         EXPECT_EQ(asked->auto_modes(geometry, rows, true).p_mode == PMode::bf16, pays) << where;

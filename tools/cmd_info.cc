@@ -60,7 +60,7 @@ int run_info() {
           : "on the AMX tiles (below their 8 rows Q . K runs on fp32 FMAs, faster on these cores)");
   if (kernels.bf16_dot && !kernels.amx) {
     const bool at_fma_rate = cpu::bf16_dot_at_fma_rate();
-    std::printf("P in bf16 by default, P . V on the dot products: %s\n",
+    std::printf("P in bf16 from 16 query rows by default, P . V on the dot products: %s\n",
                 kernels.bf16_dot_values == at_fma_rate
                     ? (at_fma_rate ? "yes (a vdpbf16ps issues at an FMA's rate on these cores)"
                                    : "no (a vdpbf16ps costs about four FMAs on these cores)")

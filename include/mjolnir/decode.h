@@ -291,7 +291,7 @@ struct CpuKernelOptions {
   // Decoders that never make an fp32 subnormal, whose FMAs take a microcode assist on Intel
   // cores. Unset: where this CPU's subnormal FMAs are slow.
   std::optional<bool> avoid_fp32_subnormals;
-  // The auto modes round P to bf16 from 8 query rows where P . V then runs on the bf16 dot
+  // The auto modes round P to bf16 from 16 query rows where P . V then runs on the bf16 dot
   // products without AMX tiles. Unset: where a vdpbf16ps issues at an fp32 FMA's rate with twice
   // its multiply-adds (AMD's cores, Zen 4 and later); on Intel's it costs about four FMAs and P in
   // fp32 is faster.

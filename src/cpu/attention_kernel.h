@@ -132,6 +132,16 @@ bool dot_values_apply(const KernelConfig& config, Format format, PMode p_mode, i
 // even) and at 16 by far (16-42%): docs/cpu-experiments.md.
 inline constexpr int kAmxMinRows = 8;
 
+// Query rows of a work unit from which the auto modes put P in bf16 for P . V on the bf16 dot
+// products, on CPUs without tiles that issue them at an FMA's rate (KernelConfig::bf16_dot_values).
+// On Zen 4, from memory: at 16 rows (g 4, q_len 4) a batch-8 step took 0.70-0.81x of its P-fp32
+// time and a batch-1 step 0.8-1.1x; at 8 rows (g 8) batch 8 gained but batch 1 took up to 1.6x for
+// fp4_e2m1, and at 4 rows batch 8 did not gain and batch 1 took up to 1.9x. A batch-1 step is one
+// plan chunk, which P in bf16 (rounded against the chunk's running maximum) cannot cut into token
+// parts, so its units are groups of heads, whose rows interleave in B2NHD and are read twice
+// (docs/cpu-experiments.md, "P . V on bf16 dot products on Zen 4").
+inline constexpr int kDotValuesMinRows = 16;
+
 // Whether P . V over V's bf16 words (the tiles or the dot products) pays at `rows` query rows.
 // nvfp4's words are looked up per block scale key by key (DotNvfp4::DecodeScaled), a cost per key
 // that only the FMAs' cost per row and key outweighs, from kAmxMinRows rows: at 4 rows the tiles

@@ -89,11 +89,10 @@ class CpuBackend final : public Backend {
   // docs/accuracy.md). Q in int8 where Q . K then runs in integers (fp4_e2m1, fp6_e2m3, nvfp4 on
   // VNNI, AVX2 and Arm's sdot, below the AMX tiles' rows): 1.26-1.36x faster decode steps on
   // VNNI, error 1.00-1.06x of fp32 Q's (docs/cpu-experiments.md, docs/accuracy.md).
-  // P in bf16 from 8 query rows where P . V then runs on AMX tiles (2-3x faster prefill), or on
-  // the bf16 dot products of a CPU without tiles that issues them at the FMAs' rate
-  // (KernelConfig::bf16_dot_values, AMD's: 0.70-0.81x of P fp32's time at 16 rows from memory on
-  // Zen 4; below 8 rows a mixed gain, and a loss at batch 1: docs/cpu-experiments.md); its error
-  // is 1.00-1.01x of fp32 P's for the 8-bit and smaller formats, 1.01-1.19x for bf16. Else P in
+  // P in bf16 from 8 query rows where P . V then runs on AMX tiles (2-3x faster prefill), or from
+  // 16 on the bf16 dot products of a CPU without tiles that issues them at the FMAs' rate
+  // (KernelConfig::bf16_dot_values, AMD's; kDotValuesMinRows says why 16); its error is
+  // 1.00-1.01x of fp32 P's for the 8-bit and smaller formats, 1.01-1.19x for bf16. Else P in
   // fp16 where P . V then runs on fp16 FMAs (AVX512-FP16: fp4_e2m1, nvfp4, fp6, fp8), where it
   // took 0.77-0.92x of P fp32's time (half_values_apply; docs/cpu-experiments.md). Elsewhere P in
   // fp32, which decodes 5-15% faster than bf16 P on the FMAs.
@@ -106,10 +105,13 @@ class CpuBackend final : public Backend {
     if (!amx_scores && int8_dot_applies(geometry.format, geometry.head_dim)) {
       modes.q_mode = QMode::int8;
     }
-    if (max_tile_rows >= kAmxMinRows &&
-        (amx_values_apply(config_, geometry.format, PMode::bf16, geometry.head_dim) ||
-         (config_.bf16_dot_values &&
-          dot_values_apply(config_, geometry.format, PMode::bf16, geometry.head_dim)))) {
+    const bool tiles_take_p =
+        max_tile_rows >= kAmxMinRows &&
+        amx_values_apply(config_, geometry.format, PMode::bf16, geometry.head_dim);
+    const bool dots_take_p =
+        max_tile_rows >= kDotValuesMinRows && config_.bf16_dot_values &&
+        dot_values_apply(config_, geometry.format, PMode::bf16, geometry.head_dim);
+    if (tiles_take_p || dots_take_p) {
       modes.p_mode = PMode::bf16;
     } else if (half_values_apply(geometry.format, geometry.head_dim)) {
       modes.p_mode = PMode::fp16;

@@ -22,10 +22,10 @@ struct KernelConfig {
   bool bf16_dot_below_tiles = false;
   // Decoders that never make an fp32 subnormal (word_decoders-inl.h, VisitKernelDecoder).
   bool avoid_fp32_subnormals = false;
-  // The auto modes put P in bf16 from 8 query rows where P . V then runs on the dot products (no
-  // tiles here), as they do where the tiles take it: on Zen 4 P in bf16 took 0.72-0.92x of P
-  // fp32's time resident, 0.70-0.81x at 16 rows from memory and 0.78-0.97x for prompts
-  // (docs/cpu-experiments.md, "P . V on bf16 dot products on Zen 4").
+  // The auto modes put P in bf16 from kDotValuesMinRows query rows where P . V then runs on the
+  // dot products (no tiles here): on Zen 4 P in bf16 took 0.72-0.92x of P fp32's time resident,
+  // 0.70-0.81x at 16 rows from memory and 0.78-0.97x for prompts (docs/cpu-experiments.md, "P .
+  // V on bf16 dot products on Zen 4").
   bool bf16_dot_values = false;
 };
 
