@@ -45,18 +45,22 @@ ROOT = os.path.dirname(HERE)
 def machine_name() -> str:
     """The CPU as `mjolnir info` names it ("AMD EPYC (Zen 3)")."""
     model = platform.machine()
-    cli = os.path.join(ROOT, "build", "tools", "mjolnir")
-    try:
-        info = subprocess.run([cli, "info"], capture_output=True, text=True).stdout
-        model = next(line.split(":", 1)[1].split(",")[0].strip()
-                     for line in info.splitlines() if line.startswith("CPU:"))
-    except (OSError, StopIteration):
+    # Either build folder's CLI (scripts/sweep.sh's or the README's): /proc's "AMD EPYC" alone
+    # would name a Zen 4's results as a Zen 3's.
+    for build in ("build", "build-cpu"):
+        cli = os.path.join(ROOT, build, "tools", "mjolnir")
         try:
-            with open("/proc/cpuinfo") as f:
-                model = next((line.split(":", 1)[1].strip() for line in f
-                              if line.startswith("model name")), model)
-        except OSError:
-            pass
+            info = subprocess.run([cli, "info"], capture_output=True, text=True).stdout
+            return next(line.split(":", 1)[1].split(",")[0].strip()
+                        for line in info.splitlines() if line.startswith("CPU:"))
+        except (OSError, StopIteration):
+            continue
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f
+                          if line.startswith("model name")), model)
+    except OSError:
+        pass
     return model
 
 
