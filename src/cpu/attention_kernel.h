@@ -138,8 +138,8 @@ inline constexpr int kAmxMinRows = 8;
 // time and a batch-1 step 0.8-1.1x; at 8 rows (g 8) batch 8 gained but batch 1 took up to 1.6x for
 // fp4_e2m1, and at 4 rows batch 8 did not gain and batch 1 took up to 1.9x. A batch-1 step is one
 // plan chunk, which P in bf16 (rounded against the chunk's running maximum) cannot cut into token
-// parts, so its units are groups of heads, whose rows interleave in B2NHD and are read twice
-// (docs/cpu-experiments.md, "P . V on bf16 dot products on Zen 4").
+// parts, so its units are groups of heads, whose rows interleave in B2NHD: there such a step took
+// about twice as long (docs/cpu-experiments.md, "P . V on bf16 dot products on Zen 4").
 inline constexpr int kDotValuesMinRows = 16;
 
 // Whether P . V over V's bf16 words (the tiles or the dot products) pays at `rows` query rows.
