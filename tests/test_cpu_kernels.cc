@@ -858,7 +858,7 @@ TEST(CpuInt8Dot, AutoModesPickInt8WhereItRuns) {
 
 // P in fp16 where P . V runs on fp16 FMAs (every step of the formats P fp16 takes) that the AMX
 // tiles do not take; fp32 everywhere else (but P in bf16 on the tiles, or on the dot products
-// where they pay: CpuDotValues below).
+// where they pay: CpuBf16Dot.AutoModesPutPInBf16WhereTheDotProductsPay).
 TEST(CpuHalfValues, AutoModesPickFp16WhereItRunsAndPays) {
   const auto backend = make_backend("cpu", BackendOptions{.threads = 1});
   const bool tiles = cpu::cpu_has_amx() && cpu::cpu_has_bf16_dot();

@@ -280,8 +280,8 @@ const int registered = [] {
                                  4, 1, Variant{std::nullopt, PMode::fp32},
                                  Variant{std::nullopt, PMode::bf16})
         ->Unit(benchmark::kMicrosecond);
-    // P in bf16 at 8 and 16 rows too, where the auto modes choose it from (on the tiles, or on
-    // the dot products where KernelConfig::bf16_dot_values).
+    // P in bf16 at 8 and 16 rows too: the rows from which the auto modes choose it, on the tiles
+    // (8) or on the dot products (16, where KernelConfig::bf16_dot_values).
     const std::string g8 = "Pair/" + std::string(to_string(format)) + "/g8/";
     benchmark::RegisterBenchmark((g8 + "q_len1/pfp32_vs_pbf16").c_str(), Pair, format, 8, 1,
                                  Variant{std::nullopt, PMode::fp32},

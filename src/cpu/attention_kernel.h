@@ -142,14 +142,6 @@ inline constexpr int kAmxMinRows = 8;
 // about twice as long (docs/cpu-experiments.md, "P . V on bf16 dot products on Zen 4").
 inline constexpr int kDotValuesMinRows = 16;
 
-// Whether P . V over V's bf16 words (the tiles or the dot products) pays at `rows` query rows.
-// nvfp4's words are looked up per block scale key by key (DotNvfp4::DecodeScaled), a cost per key
-// that only the FMAs' cost per row and key outweighs, from kAmxMinRows rows: at 4 rows the tiles
-// took 1.15x the FMAs' time (docs/cpu-experiments.md, "P . V on bf16 words at 4 query rows").
-inline bool value_words_pay(Format format, int rows) {
-  return format != Format::nvfp4 || rows >= kAmxMinRows;
-}
-
 // Highway targets the kernel is compiled for, best first, and the one run() uses on this CPU
 // (honouring hwy::DisableTargets / SetSupportedTargetsForTest).
 std::vector<std::string> kernel_targets();

@@ -149,7 +149,10 @@ UnitPaths ChooseUnitPaths([[maybe_unused]] const KernelConfig& config, const Dec
   paths.exact = args.params.p_mode == PMode::fp8;
 #if MJOLNIR_BF16_DOT
   if constexpr (!std::is_void_v<DotOf<Decoder>>) {
-    const bool words_pay = value_words_pay(format, rows);
+    // nvfp4's V words are looked up per block scale key by key (DotNvfp4::DecodeScaled), a cost
+    // per key that only the FMAs' cost per row and key outweighs, from kAmxMinRows rows (at 4
+    // rows the tiles take 1.15x the FMAs' time: docs/cpu-experiments.md, "P . V on bf16 words").
+    const bool words_pay = format != Format::nvfp4 || rows >= kAmxMinRows;
     paths.amx_values = words_pay && amx_values_apply(config, format, args.params.p_mode, d);
     paths.dot_values =
         words_pay && !paths.amx_values && dot_values_apply(config, format, args.params.p_mode, d);
