@@ -732,8 +732,10 @@ TEST(CapiPlan, UpdateEqualsTheCppPlan) {
     mjolnir_plan* raw = nullptr;
     ASSERT_OK(mjolnir_plan_create(8, hk, 6, &raw));
     PlanPtr plan(raw);
-    mjolnir::PlanOptions options;
-    options.workers = 3;
+    // The C++ plan the cpu backend makes: its own way of sharing a step (a chunk per thread).
+    mjolnir::PlanOptions options = mjolnir::make_backend("cpu", {.threads = 3})->plan_options();
+    ASSERT_EQ(options.workers, 3);
+    ASSERT_GT(options.heads_together_min_tokens, 0);
     options.max_splits = 6;
     if (trial % 2 == 1) {
       ASSERT_OK(mjolnir_plan_set_option(plan.get(), MJOLNIR_PLAN_TILE_TOKENS, 32));

@@ -1208,6 +1208,34 @@ TEST(CpuWorkUnits, ShortChunksGoToHeadGroupsLongOnesToTokenParts) {
   }
 }
 
+// One long sequence on two threads, planned as the backend plans it: every P mode gives each
+// thread a chunk of its own, all 8 KV heads over half the tokens (the plan's split), so P codes
+// rounded from the kernel's own scores do not fall back to groups of heads, whose rows lie apart
+// in B2NHD; a short one stays one chunk and its heads are shared out.
+TEST(CpuWorkUnits, OneLongSequenceGivesEachThreadAChunkInEveryPMode) {
+  const auto backend = make_backend("cpu", BackendOptions{.threads = 2});
+  for (const int len : {cpu::kHeadGroupMaxTokens, 32768}) {
+    const std::vector<std::int32_t> lens{len};
+    const mjolnir::StepShape step{.seq_lens = lens, .q_len = 1, .num_kv_heads = 8};
+    const mjolnir::PlanOptions options = backend->plan_options();
+    EXPECT_EQ(options.heads_together_min_tokens, cpu::kHeadGroupMaxTokens);
+    mjolnir::BackendPlan plan(mjolnir::capacity_for(step, options));
+    backend->plan(plan, step, options);
+    const auto* prepared = dynamic_cast<const cpu::CpuPlan*>(plan.prepared());
+    ASSERT_NE(prepared, nullptr);
+    for (const PMode p_mode : {PMode::fp32, PMode::bf16, PMode::fp16, PMode::fp8}) {
+      const cpu::UnitSchedule& schedule = prepared->units_for(p_mode);
+      ASSERT_EQ(schedule.units.size(), 2u) << len << " tokens, P " << to_string(p_mode);
+      EXPECT_TRUE(schedule.merges.empty()) << len << " tokens, P " << to_string(p_mode);
+      for (const cpu::WorkUnit& u : schedule.units) {
+        EXPECT_EQ(u.heads, len > cpu::kHeadGroupMaxTokens ? 8 : 4) << len << " tokens";
+        EXPECT_EQ(u.kv_end - u.kv_begin, len > cpu::kHeadGroupMaxTokens ? len / 2 : len);
+      }
+    }
+    EXPECT_EQ(plan.plan().num_splits[0], len > cpu::kHeadGroupMaxTokens ? 2 : 1);
+  }
+}
+
 // Steps with fewer chunks than threads: the backend cuts chunks into token parts (P fp32) or
 // groups of heads (P rounded) so every thread works; results must not depend on it.
 TEST_P(CpuKernelMatrix, FewChunksCutForThreadsMatchEmulator) {

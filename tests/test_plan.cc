@@ -70,6 +70,7 @@ TEST(Plan, CoversEveryTokenOnceOverRandomBatches) {
     options.tile_tokens = 1 << (3 + rng() % 5);
     options.min_chunk_tokens = 1 + rng() % 512;
     options.fixed_splits = rng() % 3 == 0 ? 1 + rng() % 20 : 0;
+    options.heads_together_min_tokens = rng() % 2 == 0 ? 0 : 1 + rng() % 2048;
     const int q_len = 1 + rng() % 8;
     Plan plan(PlanCapacity{num_seqs + int(rng() % 3), hk, 16});
     make_plan(plan, lens, q_len, hk, options);
@@ -109,6 +110,34 @@ TEST(Plan, SplitsOneLongSequenceToFillTheWorkers) {
   make_plan(wide, many, 1, 8, PlanOptions{.workers = 16, .max_splits = 16, .tile_tokens = 64});
   EXPECT_EQ(wide.num_partials, 0);
   EXPECT_EQ(wide.num_items, 64);
+}
+
+// A backend that runs a chunk's KV heads together (the CPU) counts only chunks as parallel
+// work: one sequence is cut into a chunk per worker though its 8 KV heads alone would fill two,
+// but not when it is at most heads_together_min_tokens long; a batch as long as the workers
+// is not cut, and in a ragged batch only the long sequence is.
+TEST(Plan, HeadsTogetherCutAFewSequencesIntoAChunkPerWorker) {
+  const PlanOptions apart{.workers = 2, .max_splits = 16, .tile_tokens = 64};
+  PlanOptions together = apart;
+  together.heads_together_min_tokens = 1024;
+  // Each sequence's chunks, as the token where each begins.
+  const auto chunk_starts = [](const std::vector<std::int32_t>& lens, const PlanOptions& options) {
+    Plan plan(PlanCapacity{int(lens.size()), 8, 16});
+    make_plan(plan, lens, 1, 8, options);
+    std::vector<std::vector<int>> starts(lens.size());
+    for (const WorkItem& item : plan.work()) {
+      if (item.kv_head == 0) starts[item.seq].push_back(item.kv_begin);
+    }
+    return starts;
+  };
+  using Starts = std::vector<std::vector<int>>;
+  EXPECT_EQ(chunk_starts({32768}, apart), (Starts{{0}}));
+  EXPECT_EQ(chunk_starts({32768}, together), (Starts{{0, 16384}}));
+  EXPECT_EQ(chunk_starts({1024}, together), (Starts{{0}}));
+  EXPECT_EQ(chunk_starts({1500}, together), (Starts{{0, 768}}));  // 24 tiles: 12 and 12
+  EXPECT_EQ(chunk_starts({32768, 32768}, together), (Starts{{0}, {0}}));
+  EXPECT_EQ(chunk_starts({32768, 256}, apart), (Starts{{0}, {0}}));
+  EXPECT_EQ(chunk_starts({32768, 256}, together), (Starts{{0, 16384}, {0}}));
 }
 
 TEST(Plan, SplitsAreCapped) {
@@ -344,6 +373,13 @@ TEST(Plan, RejectsWhatDoesNotFit) {
     FAIL() << "no error";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("seq_lens[1]"), std::string::npos) << e.what();
+  }
+  try {
+    make_plan(plan, two, 1, 4, PlanOptions{.heads_together_min_tokens = -1});
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("heads_together_min_tokens"), std::string::npos)
+        << e.what();
   }
 }
 

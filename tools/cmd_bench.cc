@@ -330,9 +330,7 @@ int run_bench(const BenchOptions& options) {
                     ": cannot open '", json_path, "' for writing");
   }
 
-  PlanOptions plan_options;
-  plan_options.workers = backend->workers();
-  plan_options.wave_workers = backend->wave_workers();
+  const PlanOptions plan_options = backend->plan_options();
   TimingOptions timing;
   timing.iterations = options.iterations;
   timing.min_time_s = options.min_time_s;

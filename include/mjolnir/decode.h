@@ -233,6 +233,13 @@ class Backend {
   // of them). A GPU plans several waves of CTAs at large batches but its resident CTAs bound
   // how many chunks one short batch should be cut into.
   virtual int wave_workers() const { return 0; }
+  // PlanOptions::heads_together_min_tokens: 0 where each KV head's items run apart, else the
+  // backend runs a chunk's KV heads as one unit and shares out the heads of a sequence of at
+  // most this many tokens rather than cutting it.
+  virtual int heads_together_min_tokens() const { return 0; }
+  // `options` with this backend's device fields set: workers, wave_workers and
+  // heads_together_min_tokens. Plan (and size a capacity_for) with what it returns.
+  PlanOptions plan_options(PlanOptions options = {}) const;
   // Workspace run() needs for a plan of this capacity (split partials and scratch).
   virtual std::size_t workspace_bytes(const Plan& plan, const CacheGeometry& geometry,
                                       const DecodeParams& params) const;

@@ -61,6 +61,13 @@ struct PlanOptions {
   int tile_tokens = 64;        // T of the online softmax; chunk bounds are multiples of it
   int min_chunk_tokens = 256;  // a sequence is not cut into chunks shorter than this
   int fixed_splits = 0;        // > 0: cut every sequence into this many chunks (tests, tuning)
+  // How the backend shares a step among its workers (Backend::heads_together_min_tokens).
+  // 0: each KV head's items run apart (a GPU's CTAs), so sequences x KV heads items share the
+  // workers and a sequence is cut only where they fall short. > 0: the backend runs the KV heads
+  // of one chunk as one unit (the CPU, whose tiles then read whole pages), so only chunks share
+  // the workers: a step of fewer sequences than workers is cut into about one chunk per worker,
+  // but a sequence of at most this many tokens stays whole (the backend shares out its heads).
+  int heads_together_min_tokens = 0;
 };
 
 // Buffer sizes a plan is created with. A plan never grows past them, so a CUDA graph captured

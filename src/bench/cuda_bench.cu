@@ -297,9 +297,7 @@ BenchResult bench_decode(const BenchSpec& spec) {
   const auto backend = make_backend("cuda", {.cuda_kernels = kernels});
   const std::string unavailable = backend->unavailable_reason();
   MJOLNIR_REQUIRE(unavailable.empty(), "bench: ", unavailable);
-  PlanOptions options;
-  options.workers = backend->workers();
-  options.wave_workers = backend->wave_workers();
+  PlanOptions options = backend->plan_options();
   options.tile_tokens = spec.tile_tokens;
   options.max_splits = spec.max_splits;
   options.max_splits = effective_max_splits(options, spec.batch, spec.num_kv_heads);

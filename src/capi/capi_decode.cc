@@ -280,10 +280,11 @@ MJOLNIR_API mjolnir_status mjolnir_plan_update(mjolnir_plan* plan, const int32_t
     if (num_seqs > 0) require_pointer(seq_lens, "seq_lens");
     const std::span<const std::int32_t> lens(seq_lens, std::size_t(num_seqs));
 
-    PlanOptions options;
-    options.workers =
-        p.options[MJOLNIR_PLAN_WORKERS] > 0 ? p.options[MJOLNIR_PLAN_WORKERS] : b.impl->workers();
-    if (p.options[MJOLNIR_PLAN_WORKERS] <= 0) options.wave_workers = b.impl->wave_workers();
+    PlanOptions options = b.impl->plan_options();
+    if (p.options[MJOLNIR_PLAN_WORKERS] > 0) {  // the caller's capacity, not the backend's
+      options.workers = p.options[MJOLNIR_PLAN_WORKERS];
+      options.wave_workers = 0;
+    }
     options.max_splits = p.options[MJOLNIR_PLAN_MAX_SPLITS];
     options.tile_tokens = p.options[MJOLNIR_PLAN_TILE_TOKENS];
     options.min_chunk_tokens = p.options[MJOLNIR_PLAN_MIN_CHUNK_TOKENS];

@@ -253,6 +253,13 @@ void Backend::check_run(const DecodeArgs& args, const BackendPlan& plan,
                   " bytes, workspace_bytes() is ", needed);
 }
 
+PlanOptions Backend::plan_options(PlanOptions options) const {
+  options.workers = workers();
+  options.wave_workers = wave_workers();
+  options.heads_together_min_tokens = heads_together_min_tokens();
+  return options;
+}
+
 std::size_t Backend::workspace_bytes(const Plan& plan, const CacheGeometry& geometry,
                                      const DecodeParams& params) const {
   const PartialLayout layout = partial_layout(geometry, params);
@@ -264,8 +271,7 @@ void decode(const Backend& backend, const DecodeArgs& args, PlanOptions options)
   validate(args);
   const std::string why = backend.unsupported_reason(args.cache.geometry, args.params);
   MJOLNIR_REQUIRE(why.empty(), "backend ", backend.name(), ": ", why);
-  options.workers = backend.workers();
-  options.wave_workers = backend.wave_workers();
+  options = backend.plan_options(options);
   const StepShape step = args.step_shape();
   // One call, one workspace sized for this plan alone: a max_splits of 0 gets as many chunks as
   // fill the device, and fixed_splits beyond max_splits get their way.

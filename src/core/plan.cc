@@ -66,6 +66,9 @@ void check_step(const StepShape& step, const PlanOptions& options) {
                   " is negative (0: as many chunks as fill the workers)");
   MJOLNIR_REQUIRE(options.fixed_splits >= 0, "plan options.fixed_splits: ", options.fixed_splits,
                   " is negative");
+  MJOLNIR_REQUIRE(options.heads_together_min_tokens >= 0,
+                  "plan options.heads_together_min_tokens: ", options.heads_together_min_tokens,
+                  " is negative (0: the backend runs KV heads apart)");
   MJOLNIR_REQUIRE(options.min_chunk_tokens >= 1,
                   "plan options.min_chunk_tokens: ", options.min_chunk_tokens,
                   " must be at least 1");
@@ -103,9 +106,13 @@ class ChunkCut {
       : options_(options), max_splits_(max_splits) {
     std::int64_t kv_tokens = 0;  // what every query tile sees, summed
     for_each_query_tile(step, [&](const QueryTile& qt) { kv_tokens += qt.kv_len; });
-    const std::int64_t per_worker =
-        (kv_tokens * step.num_kv_heads + options.workers - 1) / options.workers;
-    const std::int64_t chunk = std::max<std::int64_t>(per_worker, options.min_chunk_tokens);
+    // Work that runs apart: every KV head's tokens, or only the chunks' where a backend runs
+    // a chunk's heads together.
+    const bool heads_together = options.heads_together_min_tokens > 0;
+    const std::int64_t work = kv_tokens * (heads_together ? 1 : step.num_kv_heads);
+    const std::int64_t per_worker = (work + options.workers - 1) / options.workers;
+    const std::int64_t chunk = std::max<std::int64_t>(
+        {per_worker, options.min_chunk_tokens, options.heads_together_min_tokens});
     wave_chunk_ = (chunk + options.tile_tokens - 1) / options.tile_tokens * options.tile_tokens;
   }
   // Chunks of a query tile that sees kv_len tokens; never more than its KV tiles, so no chunk

@@ -136,10 +136,12 @@ inline constexpr int kAmxMinRows = 8;
 // products, on CPUs without tiles that issue them at an FMA's rate (KernelConfig::bf16_dot_values).
 // On Zen 4, from memory: at 16 rows (g 4, q_len 4) a batch-8 step took 0.70-0.81x of its P-fp32
 // time and a batch-1 step 0.8-1.1x; at 8 rows (g 8) batch 8 gained but batch 1 took up to 1.6x for
-// fp4_e2m1, and at 4 rows batch 8 did not gain and batch 1 took up to 1.9x. A batch-1 step is one
-// plan chunk, which P in bf16 (rounded against the chunk's running maximum) cannot cut into token
-// parts, so its units are groups of heads, whose rows interleave in B2NHD: there such a step took
-// about twice as long (docs/cpu-experiments.md, "P . V on bf16 dot products on Zen 4").
+// fp4_e2m1, and at 4 rows batch 8 did not gain and batch 1 took up to 1.9x. A batch-1 step was
+// then one plan chunk, which P in bf16 (rounded against the chunk's running maximum) cannot cut
+// into token parts, so its units were groups of heads, whose rows interleave in B2NHD: there such
+// a step took about twice as long (docs/cpu-experiments.md, "P . V on bf16 dot products on Zen
+// 4"). The plan now gives each thread a chunk of its own (CpuBackend's heads_together_min_tokens);
+// whether 4 and 8 rows pay on Zen 4 since is still to be measured there.
 inline constexpr int kDotValuesMinRows = 16;
 
 // Highway targets the kernel is compiled for, best first, and the one run() uses on this CPU

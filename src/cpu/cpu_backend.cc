@@ -84,6 +84,11 @@ class CpuBackend final : public Backend {
     return {};
   }
   int workers() const override { return executor_->workers(); }
+  // A chunk's KV heads run as one unit (work_units.h), so the plan gives each thread a chunk of
+  // its own at batch 1: then every P mode shares the tokens, where P codes rounded from the
+  // kernel's own scores could otherwise follow only the plan's chunks and share out heads.
+  // A sequence of up to kHeadGroupMaxTokens tokens stays whole, its heads shared out.
+  int heads_together_min_tokens() const override { return kHeadGroupMaxTokens; }
   // Q in bf16 for bf16 queries: their values, and per-channel K scales folded in and rounded,
   // which lets Q . K run on the dot products or AMX tiles (error 1.00x of fp32 Q's in
   // docs/accuracy.md). Q in int8 where Q . K then runs in integers (fp4_e2m1, fp6_e2m3, nvfp4 on

@@ -4,11 +4,13 @@
 // items of all KV heads of one chunk (same sequence, token range and split) run as one unit,
 // tile by tile, so each tile reads whole pages of the cache: contiguous memory in every layout,
 // which streams at the machine's read bandwidth, where one head's rows alone are scattered at
-// the token stride and stream at half of it or less. A chunk is cut into smaller units only to
-// give every thread work: into token parts when P is fp32 (their results merge by LSE, exact up
-// to fp32 rounding, as the contract allows) unless the chunk is short (kHeadGroupMaxTokens),
-// otherwise into groups of heads (bit-identical P codes need the plan's own tiles and split
-// points).
+// the token stride and stream at half of it or less. The backend plans with
+// PlanOptions::heads_together_min_tokens = kHeadGroupMaxTokens, so a step of fewer sequences than
+// threads comes already cut into about a chunk per thread. A chunk is cut into smaller units only
+// where that leaves a thread idle (short sequences, a plan of capped splits): into token parts
+// when P is fp32 (their results merge by LSE, exact up to fp32 rounding, as the contract allows)
+// unless the chunk is short (kHeadGroupMaxTokens), otherwise into groups of heads (bit-identical P
+// codes need the plan's own tiles and split points).
 #pragma once
 
 #include <cstddef>

@@ -181,9 +181,7 @@ CaseResult run_case(const Case& c, const Backend& backend) {
     Problem problem(c.spec);
     DecodeArgs args = problem.args();
     validate(args);
-    PlanOptions options;
-    options.workers = backend.workers();
-    options.wave_workers = backend.wave_workers();
+    PlanOptions options = backend.plan_options();
     options.fixed_splits = c.splits;
     options.max_splits = std::max(1, c.splits);
     options.tile_tokens = c.tile_tokens;

@@ -352,9 +352,7 @@ void decode_step(at::Tensor& output, const at::Tensor& q, const at::Tensor& kv_c
     const std::string why = backend.unsupported_reason(args.cache.geometry, args.params);
     MJOLNIR_REQUIRE(why.empty(), "backend ", backend.name(), ": ", why);
   });
-  PlanOptions options;
-  options.workers = backend.workers();
-  options.wave_workers = backend.wave_workers();
+  PlanOptions options = backend.plan_options();
   options.max_splits = int(max_splits);
   const StepShape shape = args.step_shape();
   BackendPlan plan;
@@ -501,9 +499,7 @@ class Step final : public torch::CustomClassHolder {
     batch_ = tensors_.batch();
     const StepShape shape{batch_.seq_lens, batch_.query_start, params_.q_len, int(num_kv_heads),
                           causal};
-    PlanOptions options;
-    options.workers = backend_->workers();
-    options.wave_workers = backend_->wave_workers();
+    PlanOptions options = backend_->plan_options();
     options.max_splits = int(max_splits);
     with_op_errors([&] {
       int cap = effective_max_splits(options, shape.num_seqs(), shape.num_kv_heads);
