@@ -26,11 +26,17 @@
 //                   auto modes take it for bf16 queries (int8 where it runs, else bf16)
 //   pfp32_vs_pfp16  P in fp32 against P in fp16 (P . V on fp16 FMAs with AVX512-FP16, else the
 //                   same fp32 FMAs over P rounded to fp16; the formats P fp16 takes), Q as above
+//   pfp16_vs_pbf16  8 and 16 rows: P in fp16 against P in bf16, the two P modes that round P
+//                   from the kernel's own scores (the question for CPUs with AVX512-FP16 and no
+//                   tiles; run with MJOLNIR_CPU_BF16_DOT_VALUES=1 to put bf16 P on the dot
+//                   products where the auto modes would not)
 //   fma_vs_dot      Q . K on fp32 FMAs (CpuKernelOptions::bf16_dot off) against the dot products
 //                   (the tiles off, so that they take the 4 rows where there are tiles)
 //   noamx_vs_amx    q_len 4 (16 rows): the tiles off against on
 //   qbf16_vs_qint8  Q . K with Q in bf16 against Q in int8 (integer dot products; fp4_e2m1,
 //                   fp6_e2m3 and nvfp4 on CPUs that have them), P fp32
+// PlanPair/... runs one batch-1 step on two threads (wall time) planned with every KV head apart
+// (a, the CPU's plan before 2026-12-07) and as the CPU backend plans it (b, a chunk per thread).
 //   avoid_vs_make_subnormals  the decoders for CPUs whose FMAs take fp32 subnormals slowly
 //                   (CpuKernelOptions::avoid_fp32_subnormals on) against those for CPUs that take
 //                   them at full speed (off; low-bit formats only)
@@ -39,6 +45,7 @@
 #include <time.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -193,6 +200,54 @@ void Pair(benchmark::State& state, Format format, int group, int q_len, Variant 
   state.counters["b_over_a"] = median(ratios);
 }
 
+// Two threads, one batch-1 step (B2NHD) planned two ways, one call of each in turn (wall time,
+// ns per token-head as in Pair): the plan counting every KV head as work that runs apart
+// (PlanOptions::heads_together_min_tokens 0, how the CPU was planned before: one chunk, which P
+// modes that round P from scores run as two groups of heads) against the CPU backend's own plan
+// (a chunk per thread). Q as the auto modes take it for bf16 queries.
+void PlanPair(benchmark::State& state, Format format, int group, PMode p_mode) {
+  verify::Problem problem(DecodeSpec(format, group, 1));
+  const auto backend = make_backend(
+      "cpu", BackendOptions{.threads = 2, .cpu_kernels = cpu_kernel_options_from_environment()});
+  DecodeArgs args = problem.args();
+  args.params.q_mode = backend->auto_modes(args.cache.geometry, group, true).q_mode;
+  args.params.p_mode = p_mode;
+  PlanOptions apart = backend->plan_options();
+  apart.heads_together_min_tokens = 0;
+  const PlanOptions sides_options[2] = {apart, backend->plan_options()};
+  struct Side {
+    BackendPlan plan{PlanCapacity{1, kKvHeads, 16}};
+    std::vector<std::byte> workspace;
+    std::vector<double> ns;
+  };
+  Side sides[2];
+  for (int i = 0; i < 2; ++i) {
+    backend->plan(sides[i].plan, args.step_shape(), sides_options[i]);
+    sides[i].workspace.resize(
+        backend->workspace_bytes(sides[i].plan.plan(), args.cache.geometry, args.params));
+    backend->run(args, sides[i].plan, sides[i].workspace);  // warm-up
+  }
+  const double token_heads = double(kContext) * kKvHeads;
+  std::vector<double> ratios;
+  std::int64_t call = 0;
+  for (auto _ : state) {
+    for (int k = 0; k < 2; ++k) {
+      Side& side = sides[(call + k) % 2];
+      const auto begin = std::chrono::steady_clock::now();
+      backend->run(args, side.plan, side.workspace);
+      const std::chrono::duration<double, std::nano> took =
+          std::chrono::steady_clock::now() - begin;
+      side.ns.push_back(took.count() / token_heads);
+    }
+    ratios.push_back(sides[1].ns.back() / sides[0].ns.back());
+    ++call;
+  }
+  state.counters["ns_a"] = median(sides[0].ns);
+  state.counters["ns_b"] = median(sides[1].ns);
+  state.counters["b_over_a"] = median(ratios);
+  state.counters["splits_b"] = sides[1].plan.plan().num_splits[0];
+}
+
 // A prompt's prefill on one core: one sequence of kPrefillTokens tokens, all of them query tokens
 // (a ragged step, causal), Q in bf16 (or int8, as the auto modes pick for the formats whose codes
 // are small integers), resident. ns_per_row_key: per query row (token x query head) and KV token
@@ -311,12 +366,35 @@ const int registered = [] {
                                    4, 1, Variant{std::nullopt, PMode::fp32},
                                    Variant{std::nullopt, PMode::fp16})
           ->Unit(benchmark::kMicrosecond);
+      for (const auto [group, q_len] : {std::pair{8, 1}, std::pair{4, 4}}) {
+        benchmark::RegisterBenchmark(
+            ("Pair/" + std::string(to_string(format)) + "/g" + std::to_string(group) + "/q_len" +
+             std::to_string(q_len) + "/pfp16_vs_pbf16")
+                .c_str(),
+            Pair, format, group, q_len, Variant{std::nullopt, PMode::fp16},
+            Variant{std::nullopt, PMode::bf16})
+            ->Unit(benchmark::kMicrosecond);
+      }
       Variant avoid, make;
       avoid.avoid_subnormals = true;
       make.avoid_subnormals = false;
       benchmark::RegisterBenchmark(("Pair" + shape + "q_len1/avoid_vs_make_subnormals").c_str(),
                                    Pair, format, 4, 1, avoid, make)
           ->Unit(benchmark::kMicrosecond);
+    }
+  }
+  for (const Format format : kAllFormats) {
+    for (const PMode p_mode : {PMode::fp32, PMode::bf16, PMode::fp16}) {
+      if (p_mode == PMode::fp16 && !half_sums_take(format)) continue;
+      for (const int group : {4, 8}) {
+        benchmark::RegisterBenchmark(
+            ("PlanPair/" + std::string(to_string(format)) + "/g" + std::to_string(group) + "/p" +
+             std::string(to_string(p_mode)) + "/heads_apart_vs_together")
+                .c_str(),
+            PlanPair, format, group, p_mode)
+            ->Unit(benchmark::kMicrosecond)
+            ->UseRealTime();
+      }
     }
   }
   benchmark::RegisterBenchmark("FmaPeak/1thread", FmaPeak)->Iterations(1);
