@@ -734,37 +734,43 @@ void ForEachQkCase(std::uint64_t seed, std::initializer_list<std::pair<int, int>
 // 16 rows its 16 x 16 blocks (ScoresDotPairs: a whole group of rows, one and a part, two); each
 // case must have run on it, and fp32 queries that are not bf16 values must not. The 16 x 16
 // blocks run where K's rows are words: a bf16 cache's, or the others' decoded once per tile
-// (queries in bf16 or fp8 mode; not nvfp4).
+// (queries in bf16 or fp8 mode; not nvfp4), on the dot products themselves or on fp32 FMAs
+// over K widened once per tile (ScoresFmaPairs, CpuKernelOptions::fma_pair_scores): both.
 TEST(CpuBf16Dot, MatchesEmulator) {
   if (!cpu::cpu_has_bf16_dot()) {
     GTEST_SKIP() << "the dispatched target (" << cpu::kernel_target()
                  << ") or this CPU has no AVX512_BF16 / AVX512_VBMI dot products";
   }
-  // On CPUs with AMX, Q . K would go on its tiles instead (CpuAmx below).
-  const auto backend =
-      make_backend("cpu", BackendOptions{.threads = 2, .cpu_kernels = {.amx = false}});
-  ASSERT_TRUE(cpu::kernel_config(*backend).bf16_dot);
-  ForEachQkCase(
-      mjolnir::testing::test_seed() + 23,
-      {{1, 1}, {4, 1}, {8, 1}, {3, 2}, {4, 4}, {5, 3}, {5, 4}, {16, 2}},
-      [&](const verify::Case& c, int mode, int g, int q_len) {
-        const std::uint64_t before = cpu::kernel_path_counts(*backend).bf16_dot;
-        const std::uint64_t pairs_before = cpu::kernel_path_counts(*backend).pair_scores;
-        const verify::CaseResult r = verify::run_case(c, *backend);
-        EXPECT_NE(r.status, verify::CaseResult::Status::failed) << c.name() << ": " << r.message;
-        const Format format = c.spec.format;
-        const bool pairs = mode < 3 && g * q_len >= 16 &&
-                           (format == Format::bf16 || (mode < 2 && format != Format::nvfp4));
-        EXPECT_EQ(cpu::kernel_path_counts(*backend).pair_scores > pairs_before, pairs)
-            << c.name() << (pairs ? " did not run" : " ran") << " in 16 x 16 blocks";
-        if (mode < 3) {
-          EXPECT_GT(cpu::kernel_path_counts(*backend).bf16_dot, before)
-              << c.name() << " did not run on them";
-        } else {
-          EXPECT_EQ(cpu::kernel_path_counts(*backend).bf16_dot, before)
-              << c.name() << " ran on them";
-        }
-      });
+  for (const bool fma_pairs : {false, true}) {
+    SCOPED_TRACE(fma_pairs ? "16 x 16 blocks on fp32 FMAs" : "16 x 16 blocks on the dot products");
+    // On CPUs with AMX, Q . K would go on its tiles instead (CpuAmx below).
+    const auto backend = make_backend(
+        "cpu",
+        BackendOptions{.threads = 2, .cpu_kernels = {.amx = false, .fma_pair_scores = fma_pairs}});
+    ASSERT_TRUE(cpu::kernel_config(*backend).bf16_dot);
+    ASSERT_EQ(cpu::kernel_config(*backend).fma_pair_scores, fma_pairs);
+    ForEachQkCase(
+        mjolnir::testing::test_seed() + 23,
+        {{1, 1}, {4, 1}, {8, 1}, {3, 2}, {4, 4}, {5, 3}, {5, 4}, {16, 2}},
+        [&](const verify::Case& c, int mode, int g, int q_len) {
+          const cpu::KernelPathCounts before = cpu::kernel_path_counts(*backend);
+          const verify::CaseResult r = verify::run_case(c, *backend);
+          EXPECT_NE(r.status, verify::CaseResult::Status::failed) << c.name() << ": " << r.message;
+          const cpu::KernelPathCounts after = cpu::kernel_path_counts(*backend);
+          const Format format = c.spec.format;
+          const bool pairs = mode < 3 && g * q_len >= 16 &&
+                             (format == Format::bf16 || (mode < 2 && format != Format::nvfp4));
+          EXPECT_EQ(after.pair_scores > before.pair_scores, pairs)
+              << c.name() << (pairs ? " did not run" : " ran") << " in 16 x 16 blocks";
+          EXPECT_EQ(after.fma_pair_scores > before.fma_pair_scores, pairs && fma_pairs)
+              << c.name() << " on the FMAs' 16 x 16 blocks";
+          if (mode < 3) {
+            EXPECT_GT(after.bf16_dot, before.bf16_dot) << c.name() << " did not run on them";
+          } else {
+            EXPECT_EQ(after.bf16_dot, before.bf16_dot) << c.name() << " ran on them";
+          }
+        });
+  }
 }
 
 // Turned off in the backend's options, the dot products and the tiles run no work item, and the
@@ -809,18 +815,21 @@ TEST(CpuKernelOptions, CountsBelongToACpuBackend) {
 // error naming the variable for anything else.
 TEST(CpuKernelOptions, FromTheEnvironment) {
   const char* names[] = {"MJOLNIR_CPU_BF16_DOT", "MJOLNIR_CPU_AMX", "MJOLNIR_CPU_AVOID_SUBNORMALS",
-                         "MJOLNIR_CPU_BF16_DOT_VALUES"};
+                         "MJOLNIR_CPU_BF16_DOT_VALUES", "MJOLNIR_CPU_FMA_PAIR_SCORES"};
   for (const char* name : names) unsetenv(name);
   CpuKernelOptions options = mjolnir::cpu_kernel_options_from_environment();
   EXPECT_TRUE(options.bf16_dot);
   EXPECT_TRUE(options.amx);
   EXPECT_FALSE(options.avoid_fp32_subnormals.has_value());
   EXPECT_FALSE(options.bf16_dot_values.has_value());
+  EXPECT_FALSE(options.fma_pair_scores.has_value());
   setenv("MJOLNIR_CPU_BF16_DOT", "0", 1);
   setenv("MJOLNIR_CPU_AMX", "", 1);
   setenv("MJOLNIR_CPU_AVOID_SUBNORMALS", "1", 1);
   setenv("MJOLNIR_CPU_BF16_DOT_VALUES", "0", 1);
+  setenv("MJOLNIR_CPU_FMA_PAIR_SCORES", "1", 1);
   options = mjolnir::cpu_kernel_options_from_environment();
+  EXPECT_EQ(options.fma_pair_scores, std::optional<bool>(true));
   EXPECT_FALSE(options.bf16_dot);
   EXPECT_TRUE(options.amx);
   EXPECT_EQ(options.avoid_fp32_subnormals, std::optional<bool>(true));
@@ -1024,6 +1033,9 @@ TEST(CpuBf16Dot, AutoModesPutPInBf16WhereTheDotProductsPay) {
             dots && !cpu::kernel_config(*by_default).amx && cpu::bf16_dot_at_fma_rate());
   EXPECT_EQ(cpu::kernel_config(*asked).bf16_dot_values, dots);
   EXPECT_FALSE(cpu::kernel_config(*refused).bf16_dot_values);
+  // The FMAs' 16 x 16 score blocks by default where the dot products do not run at their rate.
+  EXPECT_EQ(cpu::kernel_config(*by_default).fma_pair_scores,
+            dots && !cpu::kernel_config(*by_default).amx && !cpu::bf16_dot_at_fma_rate());
   for (const Format format : kAllFormats) {
     for (const int d : {64, 96, 128}) {
       for (const int rows : {1, 4, 8, 15, 16, 128}) {

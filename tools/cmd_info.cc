@@ -66,6 +66,12 @@ int run_info() {
                                    : "no (a vdpbf16ps costs about four FMAs on these cores)")
                     : (kernels.bf16_dot_values ? "yes (MJOLNIR_CPU_BF16_DOT_VALUES=1)"
                                                : "no (MJOLNIR_CPU_BF16_DOT_VALUES=0)"));
+    std::printf("Q . K of 16 query rows and more on fp32 FMAs, not the dot products: %s\n",
+                kernels.fma_pair_scores != at_fma_rate
+                    ? (at_fma_rate ? "no (a vdpbf16ps issues at an FMA's rate on these cores)"
+                                   : "yes (a vdpbf16ps costs about four FMAs on these cores)")
+                    : (kernels.fma_pair_scores ? "yes (MJOLNIR_CPU_FMA_PAIR_SCORES=1)"
+                                               : "no (MJOLNIR_CPU_FMA_PAIR_SCORES=0)"));
   }
   std::printf(
       "AMX tiles (Q . K from 8 query rows, where the dot products apply; P . V with P in bf16): "

@@ -35,6 +35,9 @@
 //   noamx_vs_amx    q_len 4 (16 rows): the tiles off against on
 //   qbf16_vs_qint8  Q . K with Q in bf16 against Q in int8 (integer dot products; fp4_e2m1,
 //                   fp6_e2m3 and nvfp4 on CPUs that have them), P fp32
+//   dot_vs_fma_pairs  16 rows (q_len 4), Q bf16: the 16 x 16 score blocks on the bf16 dot
+//                   products against fp32 FMAs over K widened once per tile (fma_pair_scores);
+//                   PrefillPair/... the same for a prompt (ns per row and key)
 // PlanPair/... runs one batch-1 step on two threads (wall time) planned with every KV head apart
 // (a, the CPU's plan before 2026-12-07) and as the CPU backend plans it (b, a chunk per thread).
 //   avoid_vs_make_subnormals  the decoders for CPUs whose FMAs take fp32 subnormals slowly
@@ -120,8 +123,11 @@ void Decode(benchmark::State& state, Format format, int group, int q_len, QMode 
   // products (2 multiply-adds per lane and instruction), 4 times in integers (4).
   const bool int8 = q_mode == QMode::int8 && cpu::int8_dot_applies(format, kHeadDim);
   const cpu::KernelConfig config = cpu::kernel_config(*backend);
+  // From 16 rows Q . K goes to 16 x 16 blocks, on fp32 FMAs where fma_pair_scores (not nvfp4's,
+  // whose K the blocks do not take).
+  const bool fma_pairs = config.fma_pair_scores && group * q_len >= 16 && format != Format::nvfp4;
   const bool dot = cpu::bf16_dot_applies(config, format, q_mode, kHeadDim) &&
-                   cpu::dot_scores_apply(config, format, group * q_len, kHeadDim);
+                   cpu::dot_scores_apply(config, format, group * q_len, kHeadDim) && !fma_pairs;
   const double qk_share = int8 ? 0.25 : dot ? 0.5 : 1.0;
   const double flops_per_token_head = 2.0 * group * q_len * kHeadDim * (1.0 + qk_share);
   state.counters["ns_per_token_head"] = benchmark::Counter(
@@ -138,6 +144,7 @@ struct Variant {
   bool bf16_dot = true;  // false: turned off (else as the environment has it)
   bool amx = true;
   std::optional<bool> avoid_subnormals;  // unset: as this CPU's kernel config has it
+  std::optional<bool> fma_pair_scores;   // unset: as this CPU's kernel config has it
 };
 
 // The calling thread's CPU time in nanoseconds.
@@ -171,6 +178,9 @@ void Pair(benchmark::State& state, Format format, int group, int q_len, Variant 
     options.cpu_kernels.amx &= variants[i]->amx;
     if (variants[i]->avoid_subnormals) {
       options.cpu_kernels.avoid_fp32_subnormals = variants[i]->avoid_subnormals;
+    }
+    if (variants[i]->fma_pair_scores) {
+      options.cpu_kernels.fma_pair_scores = variants[i]->fma_pair_scores;
     }
     side.backend = make_backend("cpu", options);
     side.args = problem.args();
@@ -283,6 +293,60 @@ void Prefill(benchmark::State& state, Format format, QMode q_mode, PMode p_mode)
       benchmark::Counter(row_keys / 1e9, benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
 }
 
+// Prefill with the 16 x 16 score blocks on the dot products (a) against fp32 FMAs (b), one call
+// of each in turn, as Pair does (thread CPU time; ns per row and key).
+void PrefillPair(benchmark::State& state, Format format, PMode p_mode) {
+  verify::ProblemSpec spec;
+  spec.format = format;
+  spec.num_kv_heads = kKvHeads;
+  spec.group = 4;
+  spec.head_dim = kHeadDim;
+  spec.params.q_len = 0;
+  spec.params.q_mode = QMode::bf16;
+  spec.params.p_mode = p_mode;
+  spec.seq_lens = {kPrefillTokens};
+  spec.query_lens = {kPrefillTokens};
+  spec.keep_original_kv = false;
+  verify::Problem problem(spec);
+  const DecodeArgs args = problem.args();
+  std::unique_ptr<Backend> backends[2];
+  for (int i = 0; i < 2; ++i) {
+    BackendOptions options = OneThread();
+    options.cpu_kernels.fma_pair_scores = i == 1;
+    backends[i] = make_backend("cpu", options);
+  }
+  PlanOptions options;
+  options.workers = 1;
+  const StepShape step = args.step_shape();
+  BackendPlan plans[2] = {BackendPlan(capacity_for(step, options)),
+                          BackendPlan(capacity_for(step, options))};
+  std::vector<std::byte> workspace;
+  for (int i = 0; i < 2; ++i) {
+    backends[i]->plan(plans[i], step, options);
+    workspace.resize(
+        std::max(workspace.size(),
+                 backends[i]->workspace_bytes(plans[i].plan(), args.cache.geometry, args.params)));
+  }
+  const double row_keys = double(kPrefillTokens) * (kPrefillTokens + 1) / 2 * kKvHeads * spec.group;
+  std::vector<double> ns[2], ratios;
+  std::int64_t call = 0;
+  for (auto _ : state) {
+    double took[2];
+    for (int k = 0; k < 2; ++k) {
+      const int i = int((call + k) % 2);
+      const double begin = thread_ns();
+      backends[i]->run(args, plans[i], workspace);
+      took[i] = (thread_ns() - begin) / row_keys;
+      ns[i].push_back(took[i]);
+    }
+    ratios.push_back(took[1] / took[0]);
+    ++call;
+  }
+  state.counters["ns_a"] = median(ns[0]);
+  state.counters["ns_b"] = median(ns[1]);
+  state.counters["b_over_a"] = median(ratios);
+}
+
 void FmaPeak(benchmark::State& state) {
   for (auto _ : state) benchmark::DoNotOptimize(fma_peak_flops_one_thread());
   state.counters["gflops"] = fma_peak_flops_one_thread() / 1e9;
@@ -381,6 +445,24 @@ const int registered = [] {
       benchmark::RegisterBenchmark(("Pair" + shape + "q_len1/avoid_vs_make_subnormals").c_str(),
                                    Pair, format, 4, 1, avoid, make)
           ->Unit(benchmark::kMicrosecond);
+    }
+  }
+  // The 16 x 16 score blocks on the dot products against fp32 FMAs, where Q . K runs in them
+  // (Q bf16; 16 rows and more): the formats whose K rows are bf16 words or decode into them.
+  for (const Format format : {Format::bf16, Format::fp8_e4m3, Format::fp8_e5m2, Format::fp6_e2m3,
+                              Format::fp6_e3m2, Format::fp4_e2m1}) {
+    benchmark::RegisterBenchmark(
+        ("Pair/" + std::string(to_string(format)) + "/g4/q_len4/dot_vs_fma_pairs").c_str(), Pair,
+        format, 4, 4, Variant{QMode::bf16, PMode::fp32, true, true, std::nullopt, false},
+        Variant{QMode::bf16, PMode::fp32, true, true, std::nullopt, true})
+        ->Unit(benchmark::kMicrosecond);
+    for (const PMode p_mode : {PMode::fp32, PMode::fp16}) {
+      if (p_mode == PMode::fp16 && !half_sums_take(format)) continue;
+      benchmark::RegisterBenchmark(("PrefillPair/" + std::string(to_string(format)) + "/p" +
+                                    std::string(to_string(p_mode)) + "/dot_vs_fma_pairs")
+                                       .c_str(),
+                                   PrefillPair, format, p_mode)
+          ->Unit(benchmark::kMillisecond);
     }
   }
   for (const Format format : kAllFormats) {

@@ -303,11 +303,17 @@ struct CpuKernelOptions {
   // its multiply-adds (AMD's cores, Zen 4 and later); on Intel's it costs about four FMAs and P in
   // fp32 is faster.
   std::optional<bool> bf16_dot_values;
+  // Q . K of 16 query rows and more (prompts, speculative steps) in 16 x 16 blocks on fp32 FMAs
+  // over K widened to fp32 once per tile, rather than on the bf16 dot products, where no AMX
+  // tiles take it. Unset: where a vdpbf16ps costs more than the two FMAs it replaces (Intel's
+  // cores; on AMD's it issues at an FMA's rate).
+  std::optional<bool> fma_pair_scores;
 };
 
 // What the environment asks for: MJOLNIR_CPU_BF16_DOT=0 and MJOLNIR_CPU_AMX=0 turn those off,
 // MJOLNIR_CPU_AVOID_SUBNORMALS=1 or 0 sets the decoders, MJOLNIR_CPU_BF16_DOT_VALUES=1 or 0 the
-// auto P mode over the dot products; anything else keeps the default. The
+// auto P mode over the dot products, MJOLNIR_CPU_FMA_PAIR_SCORES=1 or 0 the FMAs' 16 x 16 score
+// blocks; anything else keeps the default. The
 // library reads no environment of its own: the CLI and the Python package pass this to
 // make_backend. Throws Error naming the variable for a value other than 0 or 1.
 CpuKernelOptions cpu_kernel_options_from_environment();

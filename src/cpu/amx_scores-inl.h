@@ -170,6 +170,74 @@ HWY_NOINLINE void ScoresDotPairs(const std::uint16_t* HWY_RESTRICT q_tiles, int 
   }
 }
 
+// Widens the count K rows of d bf16 words at rows[t] + offset into fp32 rows of d floats at
+// wide + t * d, in the same channel order: ScoresFmaPairs' broadcast operands.
+HWY_NOINLINE void WidenWordRows(const std::uint8_t* const* rows, std::int64_t offset, int count,
+                                std::size_t d, float* HWY_RESTRICT wide) {
+  for (int t = 0; t < count; ++t) {
+    const auto* words = reinterpret_cast<const std::uint16_t*>(rows[t] + offset);
+    float* out = wide + std::size_t(t) * d;
+    for (std::size_t c = 0; c < d; c += 16) {
+      const __m512i w =
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(words + c)));
+      _mm512_storeu_si512(out + c, _mm512_slli_epi32(w, 16));
+    }
+  }
+}
+
+// ScoresDotPairs on fp32 FMAs, for cores where a vdpbf16ps costs more than the two FMAs it does
+// the work of (Intel's: about four; KernelConfig::fma_pair_scores): Q's word pairs as
+// PrepareAmxQuery lays them out, each split into its two channels' fp32 vectors (the low word
+// shifted up, the high one masked: exact), K as fp32 rows of d floats at wide + t * d
+// (WidenWordRows, the words' channel order), each key's channel broadcast from memory by its FMA.
+// Products of bf16 values are exact in fp32, as on the dot products; the sums round in this
+// order, channel by channel, where a vdpbf16ps adds a pair's two products first.
+HWY_NOINLINE void ScoresFmaPairs(const std::uint16_t* HWY_RESTRICT q_tiles, int rows, std::size_t d,
+                                 const float* HWY_RESTRICT wide, int count, float scale,
+                                 float* HWY_RESTRICT scores, std::size_t stride,
+                                 TilePrefetcher& prefetch, int prefetch_per_key) {
+  const std::size_t pairs = d / 2;
+  const int groups = (rows + kAmxRows - 1) / kAmxRows;
+  const __m512 vscale = _mm512_set1_ps(scale);
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int t0 = 0; t0 < count; t0 += 16) {
+    const int keys = count - t0 < 16 ? count - t0 : 16;
+    prefetch.Issue(keys * prefetch_per_key);
+    const float* k[16];
+    for (int i = 0; i < 16; ++i) k[i] = wide + std::size_t(t0 + (i < keys ? i : keys - 1)) * d;
+    for (int group = 0; group < groups; ++group) {
+      const std::uint16_t* q = q_tiles + std::size_t(group) * pairs * 32;
+      __m512 acc[16];
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+      for (std::size_t p = 0; p < pairs; ++p) {
+        const __m512i qp = _mm512_loadu_si512(q + 32 * p);
+        const __m512 q_even = _mm512_castsi512_ps(_mm512_slli_epi32(qp, 16));
+        const __m512 q_odd = _mm512_castsi512_ps(_mm512_and_si512(qp, high));
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; ++i) {
+          acc[i] = _mm512_fmadd_ps(q_even, _mm512_set1_ps(k[i][2 * p]), acc[i]);
+        }
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; ++i) {
+          acc[i] = _mm512_fmadd_ps(q_odd, _mm512_set1_ps(k[i][2 * p + 1]), acc[i]);
+        }
+      }
+      __m512i v[16];
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) v[i] = _mm512_castps_si512(acc[i]);
+      Transpose16x16(v);  // v[m]: row m's scores of the 16 keys
+      const int group_rows =
+          rows - group * kAmxRows < kAmxRows ? rows - group * kAmxRows : kAmxRows;
+      float* out = scores + std::size_t(group) * kAmxRows * stride + t0;
+      for (int m = 0; m < group_rows; ++m) {
+        _mm512_storeu_ps(out + std::size_t(m) * stride,
+                         _mm512_mul_ps(_mm512_castsi512_ps(v[m]), vscale));
+      }
+    }
+  }
+}
+
 HWY_PUSH_ATTRIBUTES("amx-tile,amx-bf16,avx512bf16")
 
 // The palette-1 tile configuration: for Q . K tiles 0 and 1 hold C (16 keys x 16 fp32), 4 and 5 B,

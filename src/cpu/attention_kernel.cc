@@ -101,8 +101,10 @@ enum Slot : int {
   kAmxBuffers,
   kAmxValues,
   kDecodedValues,
-  kDecodedKeys
+  kDecodedKeys,
+  kWideKeys
 };
+static_assert(kWideKeys + 1 == KernelScratch::kSlots, "a buffer for every slot");
 
 // --- KV row addressing and prefetch ----------------------------------------------------------
 
@@ -313,7 +315,10 @@ void RunUnit(const KernelConfig& config, const DecodeArgs& args, const Plan& pla
 #if MJOLNIR_AMX
     if (hs.path == ScorePath::amx || (hs.path == ScorePath::bf16_dot && paths.pair_scores)) {
       hs.q_tiles = q_tiles_all + q_tile_words * h;
-      if (hs.path == ScorePath::bf16_dot) ++scratch.counts.pair_scores;
+      if (hs.path == ScorePath::bf16_dot) {
+        ++scratch.counts.pair_scores;
+        if (paths.fma_pair_scores) ++scratch.counts.fma_pair_scores;
+      }
     }
 #endif
     hs.prob_words = nullptr;
@@ -390,6 +395,8 @@ void RunUnit(const KernelConfig& config, const DecodeArgs& args, const Plan& pla
         decoded_tile(kDecodedKeys, DecodedKeyStride(std::size_t(d), paths.int8), bases + 3 * tile);
     scratch.counts.decoded_keys += std::uint64_t(heads);
   }
+  score_scratch.wide_keys =
+      paths.fma_pair_scores ? scratch.floats(kWideKeys, std::size_t(tile) * d) : nullptr;
 
   // K and V row offsets of every head of the unit, for the prefetcher.
   std::int64_t* k_offsets = reinterpret_cast<std::int64_t*>(scratch.floats(kRowOffsets, 4 * heads));

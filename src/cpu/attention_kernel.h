@@ -44,8 +44,9 @@ class KernelScratch {
   ItemScratch portable;     // the scalar path's buffers
   KernelPathCounts counts;  // the work items this worker ran, by path
 
+  static constexpr int kSlots = 15;  // the kernel's buffers (its Slot enum)
+
  private:
-  static constexpr int kSlots = 14;
   hwy::AlignedFreeUniquePtr<float[]> floats_[kSlots];
   std::size_t capacity_[kSlots] = {};
   std::vector<std::int32_t> ints_;

@@ -30,6 +30,7 @@ CpuKernelOptions cpu_kernel_options_from_environment() {
   options.amx = environment_switch("MJOLNIR_CPU_AMX").value_or(true);
   options.avoid_fp32_subnormals = environment_switch("MJOLNIR_CPU_AVOID_SUBNORMALS");
   options.bf16_dot_values = environment_switch("MJOLNIR_CPU_BF16_DOT_VALUES");
+  options.fma_pair_scores = environment_switch("MJOLNIR_CPU_FMA_PAIR_SCORES");
   return options;
 }
 
@@ -45,6 +46,8 @@ KernelConfig resolve_kernel_config(const CpuKernelOptions& options) {
   config.avoid_fp32_subnormals = options.avoid_fp32_subnormals.value_or(fp32_subnormals_are_slow());
   config.bf16_dot_values =
       config.bf16_dot && !config.amx && options.bf16_dot_values.value_or(bf16_dot_at_fma_rate());
+  config.fma_pair_scores =
+      config.bf16_dot && !config.amx && options.fma_pair_scores.value_or(!bf16_dot_at_fma_rate());
   return config;
 }
 

@@ -27,6 +27,10 @@ struct KernelConfig {
   // 0.70-0.81x at 16 rows from memory and 0.78-0.97x for prompts (docs/cpu-experiments.md, "P .
   // V on bf16 dot products on Zen 4").
   bool bf16_dot_values = false;
+  // Q . K in 16 x 16 blocks (16 query rows and more, no tiles) on fp32 FMAs over K widened once
+  // per tile (ScoresFmaPairs) instead of the dot products (ScoresDotPairs): a vdpbf16ps costs
+  // about four FMAs on Intel's cores and does the work of two.
+  bool fma_pair_scores = false;
 };
 
 // Whether this CPU issues a vdpbf16ps at the rate of an fp32 FMA (AMD's cores: one a cycle on
@@ -51,6 +55,7 @@ struct KernelPathCounts {
   std::uint64_t decoded_keys = 0;
   std::uint64_t decoded_values = 0;
   std::uint64_t pair_scores = 0;  // Q . K on the dot products in 16 x 16 blocks (ScoresDotPairs)
+  std::uint64_t fma_pair_scores = 0;  // ... of which on fp32 FMAs (ScoresFmaPairs)
 
   KernelPathCounts& operator+=(const KernelPathCounts& other) {
     bf16_dot += other.bf16_dot;
@@ -62,6 +67,7 @@ struct KernelPathCounts {
     decoded_keys += other.decoded_keys;
     decoded_values += other.decoded_values;
     pair_scores += other.pair_scores;
+    fma_pair_scores += other.fma_pair_scores;
     return *this;
   }
 };

@@ -70,6 +70,9 @@ struct UnitPaths {
   // (ScoresDotPairs), from kDecodeOnceRows, where K's rows are words: decoded once per tile, or
   // a bf16 cache's rows as they are.
   bool pair_scores = false;
+  // ... on fp32 FMAs over K widened once per tile instead (ScoresFmaPairs,
+  // KernelConfig::fma_pair_scores).
+  bool fma_pair_scores = false;
 };
 
 #if MJOLNIR_BF16_DOT
@@ -172,6 +175,9 @@ UnitPaths ChooseUnitPaths([[maybe_unused]] const KernelConfig& config, const Dec
                       CpuHasHalfFma();
 #endif
   SetDecodedOnce(format, args.params.q_mode, rows, paths);
+#if MJOLNIR_BF16_DOT
+  paths.fma_pair_scores = paths.pair_scores && config.fma_pair_scores;
+#endif
   return paths;
 }
 
@@ -285,6 +291,7 @@ struct ScoreScratch {
   float* amx_sums;            // AMX scores: C tiles
   std::uint16_t* amx_keys;    // AMX scores: K as B tiles
   DecodedTile decoded_keys;   // Q . K in integers or on the dot products over K decoded once a tile
+  float* wide_keys;           // fma_pair_scores: the tile's K rows widened to fp32, tile x d
 };
 
 // Q . K and the online softmax of one tile for one head: P into probs [R][stride] (or the
@@ -347,6 +354,13 @@ void ScoreHeadTile([[maybe_unused]] const UnitPaths& paths, HeadState& hs, const
                                            s.decoded_keys.rows, s.decoded_keys.stride);
             k_rows = s.decoded_keys.bases;
             k_offset = 0;
+          }
+          if (s.wide_keys != nullptr) {  // paths.fma_pair_scores
+            // Each head's K rows, once per tile: every 16-row group of the head's rows reads them.
+            WidenWordRows(k_rows, k_offset, tile.count, d, s.wide_keys);
+            ScoresFmaPairs(hs.q_tiles, it.rows, d, s.wide_keys, tile.count, hs.kernel_scale,
+                           s.scores, s.stride, prefetcher, prefetch_per_key);
+            break;
           }
           ScoresDotPairs(hs.q_tiles, it.rows, d, k_rows, k_offset, tile.count, hs.kernel_scale,
                          s.scores, s.stride, prefetcher, prefetch_per_key);
