@@ -160,6 +160,27 @@ double median(std::vector<double> values) {
   return n == 0 ? 0.0 : n % 2 == 1 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
 }
 
+// Calls call(0) and call(1) in turn, which goes first alternating, each returning its time, and
+// sets the counters ns_a and ns_b (medians) and b_over_a (the median of the ratio call by call).
+template <class Call>
+void AlternateCalls(benchmark::State& state, Call&& call) {
+  std::vector<double> ns[2], ratios;
+  std::int64_t calls = 0;
+  for (auto _ : state) {
+    double took[2];
+    for (int k = 0; k < 2; ++k) {
+      const int side = int((calls + k) % 2);
+      took[side] = call(side);
+      ns[side].push_back(took[side]);
+    }
+    ratios.push_back(took[1] / took[0]);
+    ++calls;
+  }
+  state.counters["ns_a"] = median(ns[0]);
+  state.counters["ns_b"] = median(ns[1]);
+  state.counters["b_over_a"] = median(ratios);
+}
+
 void Pair(benchmark::State& state, Format format, int group, int q_len, Variant a, Variant b) {
   verify::Problem problem(DecodeSpec(format, group, q_len));
   struct Side {
@@ -167,7 +188,6 @@ void Pair(benchmark::State& state, Format format, int group, int q_len, Variant 
     DecodeArgs args;
     BackendPlan plan{PlanCapacity{1, kKvHeads, 16}};
     std::vector<std::byte> workspace;
-    std::vector<double> ns;
   };
   Side sides[2];
   const Variant* variants[2] = {&a, &b};
@@ -193,21 +213,12 @@ void Pair(benchmark::State& state, Format format, int group, int q_len, Variant 
     side.backend->run(side.args, side.plan, side.workspace);  // warm-up
   }
   const double token_heads = double(kContext) * kKvHeads;
-  std::vector<double> ratios;
-  std::int64_t call = 0;
-  for (auto _ : state) {
-    for (int k = 0; k < 2; ++k) {
-      Side& side = sides[(call + k) % 2];
-      const double begin = thread_ns();
-      side.backend->run(side.args, side.plan, side.workspace);
-      side.ns.push_back((thread_ns() - begin) / token_heads);
-    }
-    ratios.push_back(sides[1].ns.back() / sides[0].ns.back());
-    ++call;
-  }
-  state.counters["ns_a"] = median(sides[0].ns);
-  state.counters["ns_b"] = median(sides[1].ns);
-  state.counters["b_over_a"] = median(ratios);
+  AlternateCalls(state, [&](int i) {
+    Side& side = sides[i];
+    const double begin = thread_ns();
+    side.backend->run(side.args, side.plan, side.workspace);
+    return (thread_ns() - begin) / token_heads;
+  });
 }
 
 // Two threads, one batch-1 step (B2NHD) planned two ways, one call of each in turn (wall time,
@@ -228,7 +239,6 @@ void PlanPair(benchmark::State& state, Format format, int group, PMode p_mode) {
   struct Side {
     BackendPlan plan{PlanCapacity{1, kKvHeads, 16}};
     std::vector<std::byte> workspace;
-    std::vector<double> ns;
   };
   Side sides[2];
   for (int i = 0; i < 2; ++i) {
@@ -238,23 +248,12 @@ void PlanPair(benchmark::State& state, Format format, int group, PMode p_mode) {
     backend->run(args, sides[i].plan, sides[i].workspace);  // warm-up
   }
   const double token_heads = double(kContext) * kKvHeads;
-  std::vector<double> ratios;
-  std::int64_t call = 0;
-  for (auto _ : state) {
-    for (int k = 0; k < 2; ++k) {
-      Side& side = sides[(call + k) % 2];
-      const auto begin = std::chrono::steady_clock::now();
-      backend->run(args, side.plan, side.workspace);
-      const std::chrono::duration<double, std::nano> took =
-          std::chrono::steady_clock::now() - begin;
-      side.ns.push_back(took.count() / token_heads);
-    }
-    ratios.push_back(sides[1].ns.back() / sides[0].ns.back());
-    ++call;
-  }
-  state.counters["ns_a"] = median(sides[0].ns);
-  state.counters["ns_b"] = median(sides[1].ns);
-  state.counters["b_over_a"] = median(ratios);
+  AlternateCalls(state, [&](int i) {
+    const auto begin = std::chrono::steady_clock::now();
+    backend->run(args, sides[i].plan, sides[i].workspace);
+    const std::chrono::duration<double, std::nano> took = std::chrono::steady_clock::now() - begin;
+    return took.count() / token_heads;
+  });
   state.counters["splits_b"] = sides[1].plan.plan().num_splits[0];
 }
 
@@ -328,23 +327,11 @@ void PrefillPair(benchmark::State& state, Format format, PMode p_mode) {
                  backends[i]->workspace_bytes(plans[i].plan(), args.cache.geometry, args.params)));
   }
   const double row_keys = double(kPrefillTokens) * (kPrefillTokens + 1) / 2 * kKvHeads * spec.group;
-  std::vector<double> ns[2], ratios;
-  std::int64_t call = 0;
-  for (auto _ : state) {
-    double took[2];
-    for (int k = 0; k < 2; ++k) {
-      const int i = int((call + k) % 2);
-      const double begin = thread_ns();
-      backends[i]->run(args, plans[i], workspace);
-      took[i] = (thread_ns() - begin) / row_keys;
-      ns[i].push_back(took[i]);
-    }
-    ratios.push_back(took[1] / took[0]);
-    ++call;
-  }
-  state.counters["ns_a"] = median(ns[0]);
-  state.counters["ns_b"] = median(ns[1]);
-  state.counters["b_over_a"] = median(ratios);
+  AlternateCalls(state, [&](int i) {
+    const double begin = thread_ns();
+    backends[i]->run(args, plans[i], workspace);
+    return (thread_ns() - begin) / row_keys;
+  });
 }
 
 void FmaPeak(benchmark::State& state) {

@@ -122,39 +122,31 @@ HWY_INLINE __m512 DotPairBroadcast(__m512 acc, __m512i q, const std::uint32_t* k
   return acc;
 }
 
-// scores[r][t] = scale * q_r . k_t for the count K rows of words at bases[t] + offset, in the
-// order of Q's words (decoded once per tile by DecodeWordRows, or a bf16 cache's rows), with Q as
-// PrepareAmxQuery lays it out: per group of 16 rows, its d / 2 word pairs, each a vector whose
-// lanes are the rows. A block of 16 rows x 16 keys keeps one accumulator per key, lanes the rows:
-// each Q pair vector is loaded once for the 16 keys, whose pairs the dot products take as
-// broadcast memory operands, and no lane sums are left at the end (ScoresDot's 4 x 4 blocks sum
-// 16 lanes per score, and reload Q for every 4 keys). A 16 x 16 transpose puts the block's
-// scores into the rows. Keys past count repeat the last one; their scores land in each row's
-// padding (stride holds the tile rounded up to 16), which the softmax ignores.
-HWY_NOINLINE void ScoresDotPairs(const std::uint16_t* HWY_RESTRICT q_tiles, int rows, std::size_t d,
-                                 const std::uint8_t* const* bases, std::int64_t offset, int count,
-                                 float scale, float* HWY_RESTRICT scores, std::size_t stride,
-                                 TilePrefetcher& prefetch, int prefetch_per_key) {
+// The 16 x 16 blocks both pair kernels run: for each 16 keys from t0 (keys of them real;
+// set_keys(t0, keys) points at their rows, repeating the last one past count) and each group of
+// 16 rows of Q as PrepareAmxQuery lays it out (per group, its d / 2 word pairs, each a vector
+// whose lanes are the rows), accumulate(q, acc) sums the block into one accumulator per key,
+// lanes the rows; a 16 x 16 transpose then puts the block's scores into the rows, scaled. Keys
+// past count land in each row's padding (stride holds the tile rounded up to 16), which the
+// softmax ignores.
+template <class SetKeys, class Accumulate>
+HWY_INLINE void ScoresInPairBlocks(const std::uint16_t* HWY_RESTRICT q_tiles, int rows,
+                                   std::size_t d, int count, float scale,
+                                   float* HWY_RESTRICT scores, std::size_t stride,
+                                   TilePrefetcher& prefetch, int prefetch_per_key,
+                                   SetKeys&& set_keys, Accumulate&& accumulate) {
   const std::size_t pairs = d / 2;
   const int groups = (rows + kAmxRows - 1) / kAmxRows;
   const __m512 vscale = _mm512_set1_ps(scale);
   for (int t0 = 0; t0 < count; t0 += 16) {
     const int keys = count - t0 < 16 ? count - t0 : 16;
     prefetch.Issue(keys * prefetch_per_key);
-    const std::uint32_t* k[16];
-    for (int i = 0; i < 16; ++i) {
-      k[i] = reinterpret_cast<const std::uint32_t*>(bases[t0 + (i < keys ? i : keys - 1)] + offset);
-    }
+    set_keys(t0, keys);
     for (int group = 0; group < groups; ++group) {
-      const std::uint16_t* q = q_tiles + std::size_t(group) * pairs * 32;
       __m512 acc[16];
 #pragma GCC unroll 16
       for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
-      for (std::size_t p = 0; p < pairs; ++p) {
-        const __m512i qp = _mm512_loadu_si512(q + 32 * p);
-#pragma GCC unroll 16
-        for (int i = 0; i < 16; ++i) acc[i] = DotPairBroadcast(acc[i], qp, k[i] + p);
-      }
+      accumulate(q_tiles + std::size_t(group) * pairs * 32, acc);
       __m512i v[16];
 #pragma GCC unroll 16
       for (int i = 0; i < 16; ++i) v[i] = _mm512_castps_si512(acc[i]);
@@ -168,6 +160,34 @@ HWY_NOINLINE void ScoresDotPairs(const std::uint16_t* HWY_RESTRICT q_tiles, int 
       }
     }
   }
+}
+
+// scores[r][t] = scale * q_r . k_t for the count K rows of words at bases[t] + offset, in the
+// order of Q's words (decoded once per tile by DecodeWordRows, or a bf16 cache's rows), in the
+// 16 x 16 blocks of ScoresInPairBlocks: each Q pair vector is loaded once for the 16 keys, whose
+// pairs the dot products take as broadcast memory operands, and no lane sums are left at the end
+// (ScoresDot's 4 x 4 blocks sum 16 lanes per score, and reload Q for every 4 keys).
+HWY_NOINLINE void ScoresDotPairs(const std::uint16_t* HWY_RESTRICT q_tiles, int rows, std::size_t d,
+                                 const std::uint8_t* const* bases, std::int64_t offset, int count,
+                                 float scale, float* HWY_RESTRICT scores, std::size_t stride,
+                                 TilePrefetcher& prefetch, int prefetch_per_key) {
+  const std::size_t pairs = d / 2;
+  const std::uint32_t* k[16];
+  ScoresInPairBlocks(
+      q_tiles, rows, d, count, scale, scores, stride, prefetch, prefetch_per_key,
+      [&](int t0, int keys) {
+        for (int i = 0; i < 16; ++i) {
+          k[i] = reinterpret_cast<const std::uint32_t*>(bases[t0 + (i < keys ? i : keys - 1)] +
+                                                        offset);
+        }
+      },
+      [&](const std::uint16_t* q, __m512(&acc)[16]) {
+        for (std::size_t p = 0; p < pairs; ++p) {
+          const __m512i qp = _mm512_loadu_si512(q + 32 * p);
+#pragma GCC unroll 16
+          for (int i = 0; i < 16; ++i) acc[i] = DotPairBroadcast(acc[i], qp, k[i] + p);
+        }
+      });
 }
 
 // Widens the count K rows of d bf16 words at rows[t] + offset into fp32 rows of d floats at
@@ -186,56 +206,39 @@ HWY_NOINLINE void WidenWordRows(const std::uint8_t* const* rows, std::int64_t of
 }
 
 // ScoresDotPairs on fp32 FMAs, for cores where a vdpbf16ps costs more than the two FMAs it does
-// the work of (Intel's: about four; KernelConfig::fma_pair_scores): Q's word pairs as
-// PrepareAmxQuery lays them out, each split into its two channels' fp32 vectors (the low word
-// shifted up, the high one masked: exact), K as fp32 rows of d floats at wide + t * d
-// (WidenWordRows, the words' channel order), each key's channel broadcast from memory by its FMA.
-// Products of bf16 values are exact in fp32, as on the dot products; the sums round in this
-// order, channel by channel, where a vdpbf16ps adds a pair's two products first.
+// the work of (Intel's: about four; KernelConfig::fma_pair_scores): each Q pair vector split into
+// its two channels' fp32 vectors (the low word shifted up, the high one masked: exact), K as fp32
+// rows of d floats at wide + t * d (WidenWordRows, the words' channel order), each key's channel
+// broadcast from memory by its FMA. Products of bf16 values are exact in fp32, as on the dot
+// products; the sums round in this order, channel by channel, where a vdpbf16ps adds a pair's two
+// products first.
 HWY_NOINLINE void ScoresFmaPairs(const std::uint16_t* HWY_RESTRICT q_tiles, int rows, std::size_t d,
                                  const float* HWY_RESTRICT wide, int count, float scale,
                                  float* HWY_RESTRICT scores, std::size_t stride,
                                  TilePrefetcher& prefetch, int prefetch_per_key) {
   const std::size_t pairs = d / 2;
-  const int groups = (rows + kAmxRows - 1) / kAmxRows;
-  const __m512 vscale = _mm512_set1_ps(scale);
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  for (int t0 = 0; t0 < count; t0 += 16) {
-    const int keys = count - t0 < 16 ? count - t0 : 16;
-    prefetch.Issue(keys * prefetch_per_key);
-    const float* k[16];
-    for (int i = 0; i < 16; ++i) k[i] = wide + std::size_t(t0 + (i < keys ? i : keys - 1)) * d;
-    for (int group = 0; group < groups; ++group) {
-      const std::uint16_t* q = q_tiles + std::size_t(group) * pairs * 32;
-      __m512 acc[16];
+  const float* k[16];
+  ScoresInPairBlocks(
+      q_tiles, rows, d, count, scale, scores, stride, prefetch, prefetch_per_key,
+      [&](int t0, int keys) {
+        for (int i = 0; i < 16; ++i) k[i] = wide + std::size_t(t0 + (i < keys ? i : keys - 1)) * d;
+      },
+      [&](const std::uint16_t* q, __m512(&acc)[16]) {
+        for (std::size_t p = 0; p < pairs; ++p) {
+          const __m512i qp = _mm512_loadu_si512(q + 32 * p);
+          const __m512 q_even = _mm512_castsi512_ps(_mm512_slli_epi32(qp, 16));
+          const __m512 q_odd = _mm512_castsi512_ps(_mm512_and_si512(qp, high));
 #pragma GCC unroll 16
-      for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
-      for (std::size_t p = 0; p < pairs; ++p) {
-        const __m512i qp = _mm512_loadu_si512(q + 32 * p);
-        const __m512 q_even = _mm512_castsi512_ps(_mm512_slli_epi32(qp, 16));
-        const __m512 q_odd = _mm512_castsi512_ps(_mm512_and_si512(qp, high));
+          for (int i = 0; i < 16; ++i) {
+            acc[i] = _mm512_fmadd_ps(q_even, _mm512_set1_ps(k[i][2 * p]), acc[i]);
+          }
 #pragma GCC unroll 16
-        for (int i = 0; i < 16; ++i) {
-          acc[i] = _mm512_fmadd_ps(q_even, _mm512_set1_ps(k[i][2 * p]), acc[i]);
+          for (int i = 0; i < 16; ++i) {
+            acc[i] = _mm512_fmadd_ps(q_odd, _mm512_set1_ps(k[i][2 * p + 1]), acc[i]);
+          }
         }
-#pragma GCC unroll 16
-        for (int i = 0; i < 16; ++i) {
-          acc[i] = _mm512_fmadd_ps(q_odd, _mm512_set1_ps(k[i][2 * p + 1]), acc[i]);
-        }
-      }
-      __m512i v[16];
-#pragma GCC unroll 16
-      for (int i = 0; i < 16; ++i) v[i] = _mm512_castps_si512(acc[i]);
-      Transpose16x16(v);  // v[m]: row m's scores of the 16 keys
-      const int group_rows =
-          rows - group * kAmxRows < kAmxRows ? rows - group * kAmxRows : kAmxRows;
-      float* out = scores + std::size_t(group) * kAmxRows * stride + t0;
-      for (int m = 0; m < group_rows; ++m) {
-        _mm512_storeu_ps(out + std::size_t(m) * stride,
-                         _mm512_mul_ps(_mm512_castsi512_ps(v[m]), vscale));
-      }
-    }
-  }
+      });
 }
 
 HWY_PUSH_ATTRIBUTES("amx-tile,amx-bf16,avx512bf16")
