@@ -263,7 +263,8 @@ void PlanPair(benchmark::State& state, Format format, int group, PMode p_mode) {
 // it sees, the unit flash attention kernels are compared in.
 constexpr int kPrefillTokens = 1024;
 
-void Prefill(benchmark::State& state, Format format, QMode q_mode, PMode p_mode) {
+// The prompt Prefill and PrefillPair time.
+verify::ProblemSpec PrefillSpec(Format format, QMode q_mode, PMode p_mode) {
   verify::ProblemSpec spec;
   spec.format = format;
   spec.num_kv_heads = kKvHeads;
@@ -275,6 +276,11 @@ void Prefill(benchmark::State& state, Format format, QMode q_mode, PMode p_mode)
   spec.seq_lens = {kPrefillTokens};
   spec.query_lens = {kPrefillTokens};
   spec.keep_original_kv = false;
+  return spec;
+}
+
+void Prefill(benchmark::State& state, Format format, QMode q_mode, PMode p_mode) {
+  const verify::ProblemSpec spec = PrefillSpec(format, q_mode, p_mode);
   verify::Problem problem(spec);
   const DecodeArgs args = problem.args();
   const auto backend = make_backend("cpu", OneThread());
@@ -295,17 +301,7 @@ void Prefill(benchmark::State& state, Format format, QMode q_mode, PMode p_mode)
 // Prefill with the 16 x 16 score blocks on the dot products (a) against fp32 FMAs (b), one call
 // of each in turn, as Pair does (thread CPU time; ns per row and key).
 void PrefillPair(benchmark::State& state, Format format, PMode p_mode) {
-  verify::ProblemSpec spec;
-  spec.format = format;
-  spec.num_kv_heads = kKvHeads;
-  spec.group = 4;
-  spec.head_dim = kHeadDim;
-  spec.params.q_len = 0;
-  spec.params.q_mode = QMode::bf16;
-  spec.params.p_mode = p_mode;
-  spec.seq_lens = {kPrefillTokens};
-  spec.query_lens = {kPrefillTokens};
-  spec.keep_original_kv = false;
+  const verify::ProblemSpec spec = PrefillSpec(format, QMode::bf16, p_mode);
   verify::Problem problem(spec);
   const DecodeArgs args = problem.args();
   std::unique_ptr<Backend> backends[2];
