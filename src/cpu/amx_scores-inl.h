@@ -191,11 +191,14 @@ HWY_NOINLINE void ScoresDotPairs(const std::uint16_t* HWY_RESTRICT q_tiles, int 
 }
 
 // Widens the count K rows of d bf16 words at rows[t] + offset into fp32 rows of d floats at
-// wide + t * d, in the same channel order: ScoresFmaPairs' broadcast operands.
+// wide + t * d, in the same channel order, and repeats the last row up to a multiple of 16 rows:
+// ScoresFmaPairs' broadcast operands, 16 keys at a time.
 HWY_NOINLINE void WidenWordRows(const std::uint8_t* const* rows, std::int64_t offset, int count,
                                 std::size_t d, float* HWY_RESTRICT wide) {
-  for (int t = 0; t < count; ++t) {
-    const auto* words = reinterpret_cast<const std::uint16_t*>(rows[t] + offset);
+  const int padded = (count + 15) / 16 * 16;
+  for (int t = 0; t < padded; ++t) {
+    const auto* words =
+        reinterpret_cast<const std::uint16_t*>(rows[t < count ? t : count - 1] + offset);
     float* out = wide + std::size_t(t) * d;
     for (std::size_t c = 0; c < d; c += 16) {
       const __m512i w =
@@ -208,37 +211,59 @@ HWY_NOINLINE void WidenWordRows(const std::uint8_t* const* rows, std::int64_t of
 // ScoresDotPairs on fp32 FMAs, for cores where a vdpbf16ps costs more than the two FMAs it does
 // the work of (Intel's: about four; KernelConfig::fma_pair_scores): each Q pair vector split into
 // its two channels' fp32 vectors (the low word shifted up, the high one masked: exact), K as fp32
-// rows of d floats at wide + t * d (WidenWordRows, the words' channel order), each key's channel
-// broadcast from memory by its FMA. Products of bf16 values are exact in fp32, as on the dot
-// products; the sums round in this order, channel by channel, where a vdpbf16ps adds a pair's two
-// products first.
-HWY_NOINLINE void ScoresFmaPairs(const std::uint16_t* HWY_RESTRICT q_tiles, int rows, std::size_t d,
-                                 const float* HWY_RESTRICT wide, int count, float scale,
-                                 float* HWY_RESTRICT scores, std::size_t stride,
-                                 TilePrefetcher& prefetch, int prefetch_per_key) {
-  const std::size_t pairs = d / 2;
+// rows of d floats at wide + t * d (WidenWordRows, the words' channel order, padded to 16 rows),
+// each key's channel broadcast from memory by its FMA. Products of bf16 values are exact in fp32,
+// as on the dot products; the sums round in this order, channel by channel, where a vdpbf16ps adds
+// a pair's two products first. kD: d where it is one of the common head sizes, so that the 16
+// keys' rows sit at fixed offsets from one pointer (0 otherwise: the loop reloads pointers).
+template <std::size_t kD>
+HWY_NOINLINE void ScoresFmaPairsOf(const std::uint16_t* HWY_RESTRICT q_tiles, int rows,
+                                   std::size_t d, const float* HWY_RESTRICT wide, int count,
+                                   float scale, float* HWY_RESTRICT scores, std::size_t stride,
+                                   TilePrefetcher& prefetch, int prefetch_per_key) {
+  const std::size_t row = kD != 0 ? kD : d;
+  const std::size_t pairs = row / 2;
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  const float* k[16];
+  const float* keys = nullptr;
   ScoresInPairBlocks(
-      q_tiles, rows, d, count, scale, scores, stride, prefetch, prefetch_per_key,
-      [&](int t0, int keys) {
-        for (int i = 0; i < 16; ++i) k[i] = wide + std::size_t(t0 + (i < keys ? i : keys - 1)) * d;
-      },
+      q_tiles, rows, row, count, scale, scores, stride, prefetch, prefetch_per_key,
+      [&](int t0, int) { keys = wide + std::size_t(t0) * row; },
       [&](const std::uint16_t* q, __m512(&acc)[16]) {
         for (std::size_t p = 0; p < pairs; ++p) {
           const __m512i qp = _mm512_loadu_si512(q + 32 * p);
           const __m512 q_even = _mm512_castsi512_ps(_mm512_slli_epi32(qp, 16));
           const __m512 q_odd = _mm512_castsi512_ps(_mm512_and_si512(qp, high));
+          const float* k = keys + 2 * p;
 #pragma GCC unroll 16
           for (int i = 0; i < 16; ++i) {
-            acc[i] = _mm512_fmadd_ps(q_even, _mm512_set1_ps(k[i][2 * p]), acc[i]);
+            acc[i] = _mm512_fmadd_ps(q_even, _mm512_set1_ps(k[std::size_t(i) * row]), acc[i]);
           }
 #pragma GCC unroll 16
           for (int i = 0; i < 16; ++i) {
-            acc[i] = _mm512_fmadd_ps(q_odd, _mm512_set1_ps(k[i][2 * p + 1]), acc[i]);
+            acc[i] = _mm512_fmadd_ps(q_odd, _mm512_set1_ps(k[std::size_t(i) * row + 1]), acc[i]);
           }
         }
       });
+}
+
+inline void ScoresFmaPairs(const std::uint16_t* HWY_RESTRICT q_tiles, int rows, std::size_t d,
+                           const float* HWY_RESTRICT wide, int count, float scale,
+                           float* HWY_RESTRICT scores, std::size_t stride, TilePrefetcher& prefetch,
+                           int prefetch_per_key) {
+  switch (d) {
+    case 64:
+      return ScoresFmaPairsOf<64>(q_tiles, rows, d, wide, count, scale, scores, stride, prefetch,
+                                  prefetch_per_key);
+    case 128:
+      return ScoresFmaPairsOf<128>(q_tiles, rows, d, wide, count, scale, scores, stride, prefetch,
+                                   prefetch_per_key);
+    case 256:
+      return ScoresFmaPairsOf<256>(q_tiles, rows, d, wide, count, scale, scores, stride, prefetch,
+                                   prefetch_per_key);
+    default:
+      return ScoresFmaPairsOf<0>(q_tiles, rows, d, wide, count, scale, scores, stride, prefetch,
+                                 prefetch_per_key);
+  }
 }
 
 HWY_PUSH_ATTRIBUTES("amx-tile,amx-bf16,avx512bf16")

@@ -395,8 +395,9 @@ void RunUnit(const KernelConfig& config, const DecodeArgs& args, const Plan& pla
         decoded_tile(kDecodedKeys, DecodedKeyStride(std::size_t(d), paths.int8), bases + 3 * tile);
     scratch.counts.decoded_keys += std::uint64_t(heads);
   }
-  score_scratch.wide_keys =
-      paths.fma_pair_scores ? scratch.floats(kWideKeys, std::size_t(tile) * d) : nullptr;
+  score_scratch.wide_keys = paths.fma_pair_scores
+                                ? scratch.floats(kWideKeys, std::size_t(tile + 15) / 16 * 16 * d)
+                                : nullptr;
 
   // K and V row offsets of every head of the unit, for the prefetcher.
   std::int64_t* k_offsets = reinterpret_cast<std::int64_t*>(scratch.floats(kRowOffsets, 4 * heads));

@@ -291,7 +291,7 @@ struct ScoreScratch {
   float* amx_sums;            // AMX scores: C tiles
   std::uint16_t* amx_keys;    // AMX scores: K as B tiles
   DecodedTile decoded_keys;   // Q . K in integers or on the dot products over K decoded once a tile
-  float* wide_keys;           // fma_pair_scores: the tile's K rows widened to fp32, tile x d
+  float* wide_keys;  // fma_pair_scores: the tile's K rows widened to fp32, tile (to 16) x d
 };
 
 // Q . K and the online softmax of one tile for one head: P into probs [R][stride] (or the
