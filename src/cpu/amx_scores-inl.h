@@ -190,20 +190,38 @@ HWY_NOINLINE void ScoresDotPairs(const std::uint16_t* HWY_RESTRICT q_tiles, int 
       });
 }
 
-// Widens the count K rows of d bf16 words at rows[t] + offset into fp32 rows of d floats at
-// wide + t * d, in the same channel order, and repeats the last row up to a multiple of 16 rows:
-// ScoresFmaPairs' broadcast operands, 16 keys at a time.
-HWY_NOINLINE void WidenWordRows(const std::uint8_t* const* rows, std::int64_t offset, int count,
-                                std::size_t d, float* HWY_RESTRICT wide) {
+// Stores 16 bf16 words as the fp32 values they are (each shifted up 16 bits), in order.
+HWY_INLINE void StoreWidened(__m256i words, float* HWY_RESTRICT out) {
+  _mm512_storeu_si512(out, _mm512_slli_epi32(_mm512_cvtepu16_epi32(words), 16));
+}
+
+// The count K rows at rows[t] + offset as fp32 rows of d floats at wide + t * d, in the order of
+// Q's words, the last row repeated up to a multiple of 16 rows: ScoresFmaPairs' broadcast
+// operands, 16 keys at a time. Dot void: the rows are bf16 words already (a bf16 cache's), only
+// widened; else Dot's words as it decodes them (DecodeWordRows' words, never stored as words).
+template <class Dot>
+HWY_NOINLINE void DecodeWideRows(const std::uint8_t* const* rows, std::int64_t offset, int count,
+                                 std::size_t d, float* HWY_RESTRICT wide) {
   const int padded = (count + 15) / 16 * 16;
   for (int t = 0; t < padded; ++t) {
-    const auto* words =
-        reinterpret_cast<const std::uint16_t*>(rows[t < count ? t : count - 1] + offset);
+    const std::uint8_t* row = rows[t < count ? t : count - 1] + offset;
     float* out = wide + std::size_t(t) * d;
-    for (std::size_t c = 0; c < d; c += 16) {
-      const __m512i w =
-          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(words + c)));
-      _mm512_storeu_si512(out + c, _mm512_slli_epi32(w, 16));
+    if constexpr (std::is_void_v<Dot>) {
+      const auto* words = reinterpret_cast<const std::uint16_t*>(row);
+      for (std::size_t c = 0; c < d; c += 16) {
+        StoreWidened(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(words + c)), out + c);
+      }
+    } else {
+      const auto state = Dot::MakeState();
+      for (std::size_t c = 0; c < d / kDotChunk; ++c) {
+        Words x[2];
+        Dot::Decode(state, row, c, x[0], x[1]);
+        for (int h = 0; h < 2; ++h) {  // words 64 c + 32 h ..., as DecodeWordRows stores them
+          float* o = out + c * 64 + 32 * h;
+          StoreWidened(_mm512_castsi512_si256(x[h].raw), o);
+          StoreWidened(_mm512_extracti64x4_epi64(x[h].raw, 1), o + 16);
+        }
+      }
     }
   }
 }
@@ -211,7 +229,7 @@ HWY_NOINLINE void WidenWordRows(const std::uint8_t* const* rows, std::int64_t of
 // ScoresDotPairs on fp32 FMAs, for cores where a vdpbf16ps costs more than the two FMAs it does
 // the work of (Intel's: about four; KernelConfig::fma_pair_scores): each Q pair vector split into
 // its two channels' fp32 vectors (the low word shifted up, the high one masked: exact), K as fp32
-// rows of d floats at wide + t * d (WidenWordRows, the words' channel order, padded to 16 rows),
+// rows of d floats at wide + t * d (DecodeWideRows, the words' channel order, padded to 16 rows),
 // each key's channel broadcast from memory by its FMA. Products of bf16 values are exact in fp32,
 // as on the dot products; the sums round in this order, channel by channel, where a vdpbf16ps adds
 // a pair's two products first. kD: d where it is one of the common head sizes, so that the 16

@@ -391,8 +391,10 @@ void RunUnit(const KernelConfig& config, const DecodeArgs& args, const Plan& pla
     scratch.counts.decoded_values += std::uint64_t(heads);
   }
   if (paths.decoded_keys) {
-    score_scratch.decoded_keys =
-        decoded_tile(kDecodedKeys, DecodedKeyStride(std::size_t(d), paths.int8), bases + 3 * tile);
+    if (!paths.fma_pair_scores) {  // which decodes into wide_keys instead
+      score_scratch.decoded_keys = decoded_tile(
+          kDecodedKeys, DecodedKeyStride(std::size_t(d), paths.int8), bases + 3 * tile);
+    }
     scratch.counts.decoded_keys += std::uint64_t(heads);
   }
   score_scratch.wide_keys = paths.fma_pair_scores

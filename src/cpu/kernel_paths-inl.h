@@ -291,7 +291,9 @@ struct ScoreScratch {
   float* amx_sums;            // AMX scores: C tiles
   std::uint16_t* amx_keys;    // AMX scores: K as B tiles
   DecodedTile decoded_keys;   // Q . K in integers or on the dot products over K decoded once a tile
-  float* wide_keys;  // fma_pair_scores: the tile's K rows widened to fp32, tile (to 16) x d
+  // fma_pair_scores: the tile's K rows as fp32 (decoded once a tile where decoded_keys), tile
+  // rounded up to 16 x d; decoded_keys then holds no rows.
+  float* wide_keys;
 };
 
 // Q . K and the online softmax of one tile for one head: P into probs [R][stride] (or the
@@ -346,6 +348,18 @@ void ScoreHeadTile([[maybe_unused]] const UnitPaths& paths, HeadState& hs, const
 #if MJOLNIR_BF16_DOT
       if constexpr (!std::is_void_v<DotOf<Decoder>>) {
         const auto* q_words = reinterpret_cast<const std::uint16_t*>(hs.q);
+        if (hs.q_tiles != nullptr && s.wide_keys != nullptr) {  // paths.fma_pair_scores
+          // Each head's K rows as fp32, once per tile: decoded straight into them, or a bf16
+          // cache's rows widened.
+          if (paths.decoded_keys) {
+            DecodeWideRows<DotOf<Decoder>>(tile.bases, hs.k_offset, tile.count, d, s.wide_keys);
+          } else {
+            DecodeWideRows<void>(tile.bases, hs.k_offset, tile.count, d, s.wide_keys);
+          }
+          ScoresFmaPairs(hs.q_tiles, it.rows, d, s.wide_keys, tile.count, hs.kernel_scale, s.scores,
+                         s.stride, prefetcher, prefetch_per_key);
+          break;
+        }
         if (hs.q_tiles != nullptr) {  // paths.pair_scores: K's rows as words
           const std::uint8_t* const* k_rows = tile.bases;
           std::int64_t k_offset = hs.k_offset;   // a bf16 cache's rows are the words already
@@ -354,13 +368,6 @@ void ScoreHeadTile([[maybe_unused]] const UnitPaths& paths, HeadState& hs, const
                                            s.decoded_keys.rows, s.decoded_keys.stride);
             k_rows = s.decoded_keys.bases;
             k_offset = 0;
-          }
-          if (s.wide_keys != nullptr) {  // paths.fma_pair_scores
-            // Each head's K rows, once per tile: every 16-row group of the head's rows reads them.
-            WidenWordRows(k_rows, k_offset, tile.count, d, s.wide_keys);
-            ScoresFmaPairs(hs.q_tiles, it.rows, d, s.wide_keys, tile.count, hs.kernel_scale,
-                           s.scores, s.stride, prefetcher, prefetch_per_key);
-            break;
           }
           ScoresDotPairs(hs.q_tiles, it.rows, d, k_rows, k_offset, tile.count, hs.kernel_scale,
                          s.scores, s.stride, prefetcher, prefetch_per_key);
